@@ -1,0 +1,35 @@
+"""smp: PyTorch-native model parallelism (FSDP2, hybrid sharding, ...) from one config file."""
+
+from smp.config import ConfigError, SMPConfig, load_config
+from smp.runtime import init, is_initialized, shutdown, state
+from smp.training import clip_grad_norm_, no_sync
+from smp.transform import transform
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "SMPConfig",
+    "clip_grad_norm_",
+    "init",
+    "init_context",
+    "is_initialized",
+    "load_config",
+    "no_sync",
+    "shutdown",
+    "state",
+    "transform",
+]
+
+
+def init_context():
+    """Where to build the model: the meta device when `delayed_param_initialization` is on."""
+    import contextlib
+
+    import torch
+
+    from smp.runtime import current
+
+    if current().config.delayed_param_initialization:
+        return torch.device("meta")
+    return contextlib.nullcontext()

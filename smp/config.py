@@ -1,0 +1,249 @@
+"""smp's configuration: one typed tree, loaded from a dict / JSON / YAML by `load_config`.
+
+Everything a user can set lives here and is validated here, before any collective runs.
+SageMaker model parallelism v2 spellings are accepted verbatim (as field names or aliases),
+so an SMP v2 config works unchanged.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value smp cannot use. The message names the key and the fix."""
+
+
+DTypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def canonical_dtype(name: str | None) -> str | None:
+    return None if name is None else _DTYPE_ALIASES.get(name, name)
+
+
+class _Strict(BaseModel):
+    # extra="forbid": a misspelled key is an error, never silently ignored.
+    # populate_by_name: both the field name and its alias (SMP v2 spelling) are accepted.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, frozen=True)
+
+
+class MixedPrecisionConfig(_Strict):
+    """FSDP2 MixedPrecisionPolicy. None keeps the parameter's own dtype."""
+
+    param_dtype: DTypeName | None = None
+    # fp32 reduction costs 2x the bytes of bf16 but keeps small gradient updates exact;
+    # set "bf16" when the network is the bottleneck.
+    reduce_dtype: DTypeName | None = "float32"
+    output_dtype: DTypeName | None = None
+    cast_forward_inputs: bool = True
+
+
+class ActivationCheckpointingConfig(_Strict):
+    mode: Literal["none", "full", "selective"] = "none"
+    # Checkpoint every n-th block in "full" mode: 1 = all blocks (least memory, most recompute).
+    every_n_layers: int = Field(default=1, ge=1)
+    # Ops whose outputs selective checkpointing saves; everything else is recomputed.
+    # Matmuls and attention are expensive to recompute and cheap to keep relative to their cost.
+    save_ops: list[str] = [
+        "aten.mm",
+        "aten.addmm",
+        "aten.bmm",
+        "aten._scaled_dot_product_flash_attention",
+        "aten._scaled_dot_product_efficient_attention",
+        "aten._scaled_dot_product_cudnn_attention",
+    ]
+
+
+class GradientSyncConfig(_Strict):
+    # default: the process group's own collectives (NCCL / gloo). The others dispatch to
+    # smp_collectives (kernels/): ring is the reference; int8/fp8 cut bytes ~4x at a bounded error.
+    algorithm: Literal["default", "ring", "int8", "fp8"] = "default"
+    error_feedback: bool = True
+    cross_replica: Literal["default", "int8", "fp8"] = "default"
+    # Block size for quantisation scales: smaller = tighter error, more scale bytes (4 B / block).
+    block_size: int = Field(default=256, ge=16)
+
+
+class TensorParallelConfig(_Strict):
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    # Module-name pattern -> style ("colwise", "rowwise", "sequence_parallel", "embedding_rowwise",
+    # "colwise_rep", ...). Overrides the model's own plan when given.
+    plan: dict[str, str] | None = None
+
+
+class SMPConfig(_Strict):
+    # --- parallel degrees (SMP v2 keys) ---
+    # 0: shard over all data-parallel ranks; 1: replicate (no sharding);
+    # k: shard inside groups of k, replicate across groups (HSDP).
+    hybrid_shard_degree: int = Field(default=0, ge=0)
+    tensor_parallel_degree: int = Field(default=1, ge=1)
+    context_parallel_degree: int = Field(default=1, ge=1)
+    expert_parallel_degree: int = Field(default=1, ge=1)
+
+    # --- activations (SMP v2 keys) ---
+    sm_activation_offloading: bool = Field(default=False, alias="activation_offloading")
+    # How many layers' offloaded activations are brought back ahead of backward. Larger hides
+    # more copy latency, costs horizon x (one layer's activations) of device memory.
+    activation_loading_horizon: int = Field(default=2, ge=1)
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+
+    # --- misc SMP v2 keys ---
+    random_seed: int = Field(default=12345, ge=0)
+    fsdp_cache_flush_warnings: bool = True
+    allow_empty_shards: bool = True
+
+    # --- sharding (smp's own keys) ---
+    mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+    # Keep parameters (and grads, optimizer state) in host memory; saves device memory at the
+    # cost of a host<->device copy per unit per step.
+    cpu_offload: bool = False
+    # Build the model under `smp.init_context()` on the meta device; `transform` materialises
+    # it shard by shard. Models that already hold meta parameters are materialised regardless.
+    delayed_param_initialization: bool = Field(default=False, alias="delayed_parameter_initialization")
+    # True frees the gathered parameters after forward (least memory, one more all-gather in
+    # backward); False keeps them (ZeRO-2-like, faster); an int reshards to a smaller group.
+    reshard_after_forward: Union[bool, int] = True
+    # Class names of the modules that become FSDP units. Empty: a HF model's
+    # `_no_split_modules`, else the children of the model's nn.ModuleLists.
+    shard_modules: list[str] = []
+
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    gradient_sync: GradientSyncConfig = GradientSyncConfig()
+
+    # --- runtime ---
+    backend: Literal["nccl", "gloo"] | None = None
+    # Collective timeout: a rank that dies mid-step makes the others fail after this long
+    # instead of hanging forever.
+    collective_timeout_seconds: float = Field(default=600.0, gt=0)
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _ac_from_string(cls, value: Any) -> Any:
+        # `activation_checkpointing: full` is the common spelling; the object form adds options.
+        if isinstance(value, str):
+            return {"mode": value}
+        if isinstance(value, bool):
+            return {"mode": "full" if value else "none"}
+        return value
+
+    @field_validator("gradient_sync", mode="before")
+    @classmethod
+    def _sync_from_string(cls, value: Any) -> Any:
+        return {"algorithm": value} if isinstance(value, str) else value
+
+    @field_validator("reshard_after_forward", mode="before")
+    @classmethod
+    def _reshard_value(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError("an int reshard_after_forward is a group size and must be >= 1")
+        return value
+
+    @field_validator("context_parallel_degree", "expert_parallel_degree")
+    @classmethod
+    def _not_supported_yet(cls, value: int, info: Any) -> int:
+        if value > 1:
+            raise ValueError(f"{info.field_name} > 1 is not supported yet by smp; set {info.field_name}: 1")
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _known_keys(model: type[BaseModel]) -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(name)
+        if field.alias:
+            keys.append(field.alias)
+    return keys
+
+
+def _submodel_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    model: type[BaseModel] = SMPConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            by_alias = {f.alias: f for f in model.model_fields.values() if f.alias}
+            field = by_alias.get(part)
+        annotation = getattr(field, "annotation", None)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            break
+    return model
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    loc = tuple(p for p in err["loc"] if not str(p).startswith(("function-", "literal")))
+    key = ".".join(str(p) for p in loc) or "<config>"
+    if err["type"] == "extra_forbidden":
+        parent, name = loc[:-1], str(loc[-1])
+        close = difflib.get_close_matches(name, _known_keys(_submodel_at(parent)), n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return f"unknown key '{key}'{hint}"
+    message = err["msg"].removeprefix("Value error, ")
+    return f"'{key}': {message} (got {err.get('input')!r})"
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"config file {str(path)!r}: use a .json, .yaml or .yml file")
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:]}: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+ConfigSource = Union[SMPConfig, dict, str, os.PathLike, None]
+
+
+def load_config(source: ConfigSource = None) -> SMPConfig:
+    """A validated SMPConfig from a dict, a .json/.yaml/.yml path, an SMPConfig, or None.
+
+    None reads the path in the SMP_CONFIG environment variable, else gives the defaults.
+    Every problem raises ConfigError naming the key.
+    """
+    if isinstance(source, SMPConfig):
+        return source
+    if source is None:
+        env_path = os.environ.get("SMP_CONFIG")
+        source = env_path if env_path else {}
+    if isinstance(source, (str, os.PathLike)):
+        source = _read_file(Path(source))
+    if not isinstance(source, dict):
+        raise ConfigError(f"smp config must be a dict, a file path or None, not {type(source).__name__}")
+    try:
+        return SMPConfig.model_validate(source)
+    except ValidationError as e:
+        lines = [_format_error(err) for err in e.errors()]
+        raise ConfigError("invalid smp config:\n  " + "\n  ".join(lines)) from None
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON schema of the config, for editors (`smp check --schema`)."""
+    return SMPConfig.model_json_schema(by_alias=False)

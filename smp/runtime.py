@@ -1,0 +1,172 @@
+"""`smp.init` / `smp.shutdown` and `smp.state`: the process group, the mesh and the config.
+
+smp rides on torch.distributed as torchrun sets it up (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT or a rendezvous); it never launches processes or opens connections itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from smp.config import ConfigError, ConfigSource, SMPConfig, load_config
+from smp.mesh import ParallelDims, default_backend, device_type_for
+from smp.seeding import seed_everything
+
+
+@dataclass
+class _State:
+    config: SMPConfig
+    dims: ParallelDims
+    mesh: DeviceMesh
+    dp_mesh: DeviceMesh  # the flattened ("dp_replicate", "dp_shard") axis
+    device: torch.device
+    backend: str
+    rank: int
+    world_size: int
+    local_rank: int
+    owns_process_group: bool  # smp created it, so smp destroys it
+
+    # Coordinates on the mesh, derived once.
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank()
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return self.mesh["dp_shard"].get_local_rank()
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return self.mesh["dp_replicate"].get_local_rank()
+
+
+class _StateProxy:
+    """`smp.state`: attribute access to the live state, with a clear error before `smp.init`."""
+
+    def __getattr__(self, name: str) -> Any:
+        if _STATE is None:
+            raise RuntimeError(f"smp.state.{name} is not available: call smp.init(config) first")
+        return getattr(_STATE, name)
+
+    def __repr__(self) -> str:
+        if _STATE is None:
+            return "smp.state(<not initialised>)"
+        return (
+            f"smp.state(rank={_STATE.rank}, {_STATE.dims.describe()}, device={_STATE.device}, "
+            f"backend={_STATE.backend})"
+        )
+
+
+_STATE: _State | None = None
+state = _StateProxy()
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def current() -> _State:
+    if _STATE is None:
+        raise RuntimeError("smp is not initialised: call smp.init(config) before smp.transform")
+    return _STATE
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
+    """Validate the config, join (or create) the process group and build the device mesh.
+
+    Reads torchrun's environment. With no RANK/WORLD_SIZE set it runs as a world of one.
+    Calling it again with the same config is a no-op; with a different one is an error.
+    """
+    global _STATE
+    cfg = load_config(config)  # all config errors surface here, before any collective
+    if _STATE is not None:
+        if _STATE.config == cfg:
+            return _STATE
+        raise ConfigError(
+            "smp.init was already called with a different config; call smp.shutdown() first"
+        )
+
+    if dist.is_initialized():
+        owns = False
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        chosen_backend = dist.get_backend()
+        if chosen_backend not in ("nccl", "gloo"):  # e.g. "cpu:gloo,cuda:nccl"
+            chosen_backend = "nccl" if "nccl" in chosen_backend and torch.cuda.is_available() else "gloo"
+    else:
+        owns = True
+        world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+        chosen_backend = backend or cfg.backend or default_backend()
+    # Degree checks need only the world size: fail before touching the network.
+    dims = ParallelDims.from_config(cfg, world_size)
+
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if chosen_backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError("backend 'nccl' needs CUDA devices; set backend: gloo to run on CPU")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    if owns:
+        if "MASTER_ADDR" not in os.environ and world_size == 1:
+            # A world of one without torchrun: a private in-process store, no network.
+            store = dist.HashStore()
+            dist.init_process_group(
+                chosen_backend, store=store, rank=0, world_size=1,
+                timeout=datetime.timedelta(seconds=cfg.collective_timeout_seconds),
+            )
+        else:
+            dist.init_process_group(
+                chosen_backend,
+                timeout=datetime.timedelta(seconds=cfg.collective_timeout_seconds),
+                device_id=device if chosen_backend == "nccl" else None,
+            )
+
+    mesh, dp_mesh = dims.build_mesh(device_type_for(chosen_backend))
+    _STATE = _State(
+        config=cfg, dims=dims, mesh=mesh, dp_mesh=dp_mesh, device=device, backend=chosen_backend,
+        rank=rank, world_size=world_size, local_rank=local_rank, owns_process_group=owns,
+    )
+    seed_everything(cfg.random_seed)
+    return _STATE
+
+
+def shutdown() -> None:
+    """Forget smp's state; destroy the process group if smp created it.
+
+    A barrier comes first: gloo can abort at exit when one rank tears down while another
+    is still in its last collective (see PLATFORM.md).
+    """
+    global _STATE
+    if _STATE is None:
+        return
+    owns = _STATE.owns_process_group
+    _STATE = None
+    if owns and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,125 @@
+"""Delayed (meta-device) initialisation: materialise a sharded model one module at a time.
+
+A model built under `torch.device("meta")` holds no memory. After `fully_shard` its parameters
+are meta DTensors; `materialize_meta_model` allocates only each rank's shards and fills them so
+that they equal the eager init for the same seed:
+
+- eager construction draws the RNG in each module's `reset_parameters()` and, for transformers
+  models, in `initialize_weights()` at the end of each PreTrainedModel's __init__; `_Replay`
+  re-runs those calls in construction order, on full-size temporary tensors of one module at a
+  time (peak extra memory: the largest module's own parameters), keeping this rank's shard.
+
+Every rank computes the same full values (same seed), so no rank sends data to another in the
+first pass; the second gathers one module at a time.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+@contextmanager
+def _full_parameters(module: nn.Module, gather: bool) -> Iterator[None]:
+    """Swap the module's own DTensor parameters for plain full tensors, then write shards back."""
+    sharded: dict[str, nn.Parameter] = {}
+    for name, param in list(module._parameters.items()):
+        if param is None or not isinstance(param, DTensor):
+            continue
+        sharded[name] = param
+        if gather:
+            full = param.full_tensor()
+        else:
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+        module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+    try:
+        yield
+    finally:
+        for name, param in sharded.items():
+            full = module._parameters[name].detach()
+            # src_data_rank=None: every rank slices its own shard from identical local data.
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            with torch.no_grad():
+                param.to_local().copy_(local.to_local())
+            module._parameters[name] = param
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+class _Replay:
+    """Re-runs the RNG draws of eager construction, in construction order.
+
+    A module's children are built (and draw) before the module's own `reset_parameters()` runs
+    at the end of its __init__; a transformers PreTrainedModel ends its __init__ by running
+    `initialize_weights()` over its subtree (post-order, skipping modules a nested
+    PreTrainedModel already initialised). Verified bitwise against eager construction.
+    """
+
+    def __init__(self) -> None:
+        self.hf_done: set[int] = set()
+
+    def construct(self, module: nn.Module) -> None:
+        for child in module.children():
+            self.construct(child)
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            with _full_parameters(module, gather=False):
+                reset()
+        if _is_hf_model(module):
+            self._hf_initialize(module)
+
+    def _hf_initialize(self, model: nn.Module) -> None:
+        from transformers import initialization as hf_init
+
+        is_custom = model.is_custom_code()
+
+        def visit(module: nn.Module, init_fn: Callable) -> None:
+            for child in module.children():
+                visit(child, child._initialize_weights if _is_hf_model(child) else init_fn)
+            if id(module) not in self.hf_done:
+                with _full_parameters(module, gather=True):
+                    init_fn(module, is_custom)
+                self.hf_done.add(id(module))
+
+        with hf_init.guard_torch_init_functions():
+            visit(model, model._initialize_weights)
+
+
+def _check_initialisable(model: nn.Module) -> None:
+    """Outside transformers, only `reset_parameters()` can re-create a module's values."""
+    for name, module in model.named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False)]
+        own += [n for n, b in module.named_buffers(recurse=False)]
+        if own and not callable(getattr(module, "reset_parameters", None)):
+            raise ValueError(
+                f"delayed initialisation cannot initialise module '{name or '<root>'}' "
+                f"({type(module).__name__}): it holds {own} but has no reset_parameters(). "
+                "Give the class a reset_parameters() that fills them, or build the model eagerly."
+            )
+
+
+@torch.no_grad()
+def materialize_meta_model(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a (sharded) meta model on `device` and initialise it like eager construction."""
+    hf_model = _is_hf_model(model)
+    if not hf_model:
+        _check_initialisable(model)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    _Replay().construct(model)
+    if hf_model:
+        model.tie_weights()

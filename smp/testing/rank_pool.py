@@ -1,0 +1,139 @@
+"""A pool of gloo ranks kept alive across test cases.
+
+Spawning N processes and joining a process group costs 1-4 s on a small CPU machine; a test
+suite with dozens of multi-rank cases cannot pay that per case. A `RankPool` starts the ranks
+once; `pool.run(fn, *args)` runs `fn(*args)` on every rank (fn must be importable by module
+and name) and returns the per-rank results, or raises with every failing rank's traceback.
+
+A call that does not finish within its timeout kills the pool (so no rank is left hanging) and
+raises `RankTimeout`; the next `run` starts a fresh pool.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+from typing import Any, Callable
+
+
+class RankTimeout(TimeoutError):
+    pass
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn: Any, sys_path: list[str]) -> None:
+    sys.path[:] = sys_path
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    import torch
+    import torch.distributed as dist
+
+    # Ranks share 2 cores: one intra-op thread each avoids oversubscription stalls.
+    torch.set_num_threads(1)
+    # A short collective timeout: a case that fails on one rank frees the others quickly.
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90)
+    )
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        module_name, fn_name, args, kwargs = msg
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            conn.send(("error", traceback.format_exc()))
+            _reset_smp()
+    dist.barrier()  # gloo may abort at exit without it (PLATFORM.md)
+    dist.destroy_process_group()
+
+
+def _reset_smp() -> None:
+    """After a failed case, leave smp uninitialised so the next case starts clean."""
+    try:
+        import smp
+
+        smp.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class RankPool:
+    def __init__(self, world_size: int, start_timeout: float = 120.0):
+        self.world_size = world_size
+        self.start_timeout = start_timeout
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(rank, self.world_size, port, child, list(sys.path)), daemon=True
+            )
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect(self.start_timeout, "start")
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        results, errors = [None] * self.world_size, []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout):
+                self.close(force=True)
+                raise RankTimeout(f"rank {rank} did not finish {what} within {timeout:.0f}s")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                self.close(force=True)
+                raise RankFailure(f"rank {rank} died during {what}") from None
+            if status == "ok" or status == "ready":
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise RankFailure(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return results
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        if not self._procs:
+            self._start()
+        msg = (fn.__module__, fn.__name__, args, kwargs)
+        for conn in self._conns:
+            conn.send(msg)
+        return self._collect(timeout, f"{fn.__module__}.{fn.__name__}")
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    force = True
+            for proc in self._procs:
+                proc.join(timeout=30)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        self._procs, self._conns = [], []

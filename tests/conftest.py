@@ -1,0 +1,28 @@
+"""Shared fixtures: one pool of gloo ranks per world size, alive for the whole session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from smp.testing.rank_pool import RankPool
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors in tests
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def _pool(world_size: int) -> RankPool:
+    if world_size not in _POOLS:
+        _POOLS[world_size] = RankPool(world_size)
+    return _POOLS[world_size]
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """`ranks(n)` -> the RankPool of world size n (started on first use, reused after)."""
+    yield _pool
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()

@@ -1,0 +1,172 @@
+"""Functions that run on every rank of a RankPool. Each returns plain data to the test."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import smp
+from smp.testing.models import build, loss_of, random_batch
+
+GLOBAL_BATCH, SEQ = 8, 16
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local_rows(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the global batch: ranks of one data-parallel index get the same rows."""
+    per = batch.shape[0] // smp.state.dp_size
+    return batch[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
+
+
+def _dp_mean(value: torch.Tensor) -> float:
+    t = value.detach().double().clone()
+    dist.all_reduce(t)  # every rank holds the loss of its rows; tp ranks repeat theirs
+    return float(t) / dist.get_world_size()
+
+
+def equivalence(config: dict, kind: str, steps: int = 2, break_sync: bool = False,
+                delayed: bool = False) -> dict:
+    """Sharded run vs the single-process run on the same init and global batch.
+
+    Returns the largest loss and gradient differences over `steps` SGD steps. `break_sync`
+    turns off gradient reduction, which the comparison must catch.
+    """
+    smp.init(config)
+    try:
+        torch.manual_seed(smp.state.config.random_seed)
+        reference = build(kind)
+        if delayed:
+            with torch.device("meta"):
+                model = build(kind)
+        else:
+            model = copy.deepcopy(reference)
+        model = smp.transform(model)
+        if break_sync:
+            for m in model.modules():
+                if hasattr(m, "set_custom_reduce_scatter"):
+                    m.set_custom_reduce_scatter(_LocalOnlyReduceScatter())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        vocab = 256 if kind == "llama" else 128
+
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "losses": []}
+        for p_ref, (name, p) in zip(reference.parameters(), model.named_parameters()):
+            report["param_diff"] = max(report["param_diff"], float((_full(p.detach()) - p_ref.detach()).abs().max()))
+        for step in range(steps):
+            batch = random_batch(GLOBAL_BATCH, SEQ, vocab, seed=100)  # same batch: loss must fall
+            loss = loss_of(model, _local_rows(batch))
+            loss.backward()
+            ref_loss = loss_of(reference, batch)
+            ref_loss.backward()
+            report["losses"].append(float(ref_loss))
+            report["loss_diff"] = max(report["loss_diff"], abs(_dp_mean(loss) - float(ref_loss)))
+            ref_grads = dict(reference.named_parameters())
+            for name, p in model.named_parameters():
+                g = _full(p.grad)
+                report["grad_diff"] = max(report["grad_diff"], float((g - ref_grads[name].grad).abs().max()))
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        return report
+    finally:
+        smp.shutdown()
+
+
+class _LocalOnlyReduceScatter:
+    """A broken gradient sync: each rank keeps its own chunk, never adding the others'."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        rank = dist.get_rank(group)
+        output_tensor.copy_(input_tensor.view(dist.get_world_size(group), -1)[rank])
+
+
+def describe_state(config: dict) -> dict:
+    smp.init(config)
+    try:
+        s = smp.state
+        return dict(
+            rank=s.rank, world_size=s.world_size, dp_rank=s.dp_rank, dp_size=s.dp_size,
+            tp_rank=s.tp_rank, tp_size=s.tp_size, shape=s.dims.shape,
+            mesh_names=s.mesh.mesh_dim_names, device=str(s.device),
+        )
+    finally:
+        smp.shutdown()
+
+
+def clip_equivalence(config: dict) -> tuple[float, float]:
+    """smp.clip_grad_norm_ on the sharded model vs torch's on the unsharded one."""
+    smp.init(config)
+    try:
+        torch.manual_seed(0)
+        reference = build("plain")
+        model = smp.transform(copy.deepcopy(reference))
+        batch = random_batch(GLOBAL_BATCH, SEQ, 128, seed=7)
+        loss_of(model, _local_rows(batch)).backward()
+        loss_of(reference, batch).backward()
+        norm = smp.clip_grad_norm_(model, 0.01)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+        grad_diff = max(
+            float((_full(p.grad) - r.grad).abs().max())
+            for p, r in zip(model.parameters(), reference.parameters())
+        )
+        return abs(float(norm) - float(ref_norm)), grad_diff
+    finally:
+        smp.shutdown()
+
+
+def accumulation_equivalence(config: dict) -> float:
+    """Two micro-batches under smp.no_sync + one synced == one step on the whole batch."""
+    smp.init(config)
+    try:
+        torch.manual_seed(0)
+        reference = build("plain")
+        model = smp.transform(copy.deepcopy(reference))
+        batch = random_batch(GLOBAL_BATCH, SEQ, 128, seed=9)
+        local = _local_rows(batch)
+        half = local.shape[0] // 2
+        with smp.no_sync(model):
+            (loss_of(model, local[:half]) / 2).backward()
+        (loss_of(model, local[half:]) / 2).backward()
+        loss_of(reference, batch).backward()
+        return max(
+            float((_full(p.grad) - r.grad).abs().max())
+            for p, r in zip(model.parameters(), reference.parameters())
+        )
+    finally:
+        smp.shutdown()
+
+
+def shard_bytes(config: dict, kind: str) -> tuple[int, int]:
+    """(this rank's parameter bytes, the full model's parameter bytes)."""
+    smp.init(config)
+    try:
+        torch.manual_seed(0)
+        model = build(kind)
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        model = smp.transform(model)
+        local = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        return local, full
+    finally:
+        smp.shutdown()
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def init_error(config: dict) -> str:
+    """The error smp.init raises for `config` on this world (collectives must not run)."""
+    try:
+        smp.init(config)
+    except smp.ConfigError as e:
+        return str(e)
+    smp.shutdown()
+    return ""
