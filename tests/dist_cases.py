@@ -170,3 +170,45 @@ def init_error(config: dict) -> str:
         return str(e)
     smp.shutdown()
     return ""
+
+
+def reinit_behaviour() -> list[str]:
+    """Same config twice is a no-op; a different one is an error until shutdown."""
+    events = []
+    first = smp.init({"random_seed": 3})
+    events.append("same" if smp.init({"random_seed": 3}) is first else "new")
+    try:
+        smp.init({"random_seed": 4})
+    except smp.ConfigError as e:
+        events.append(str(e))
+    smp.shutdown()
+    smp.init({"random_seed": 4})
+    events.append(f"seed={smp.state.config.random_seed}")
+    smp.shutdown()
+    return events
+
+
+def transform_error(config: dict, kind: str, meta: bool = False) -> str:
+    smp.init(config)
+    try:
+        if meta:
+            with torch.device("meta"):
+                model = build(kind) if kind != "no_reset" else _NoReset()
+        else:
+            model = build(kind)
+        smp.transform(model)
+        return ""
+    except (smp.ConfigError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        smp.shutdown()
+
+
+class _NoReset(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.layers[0](x) * self.scale

@@ -96,3 +96,20 @@ def test_bad_degree_fails_before_collectives(ranks):
     for message in errors:
         assert "hybrid_shard_degree=3" in message and "world_size=4" in message
         assert "tensor_parallel_degree=1" in message
+
+
+def test_reinit_same_config_is_noop_different_is_error(ranks):
+    same, error, after = ranks(1).run(dist_cases.reinit_behaviour)[0]
+    assert same == "same"
+    assert "different config" in error and "smp.shutdown()" in error
+    assert after == "seed=4"
+
+
+def test_unknown_shard_module_class_is_named(ranks):
+    message = ranks(1).run(dist_cases.transform_error, {"shard_modules": ["DecoderLayer"]}, "llama")[0]
+    assert "ConfigError" in message and "DecoderLayer" in message and "LlamaDecoderLayer" in message
+
+
+def test_delayed_init_without_reset_parameters_is_refused(ranks):
+    message = ranks(1).run(dist_cases.transform_error, {}, "no_reset", True)[0]
+    assert "reset_parameters" in message and "'<root>'" in message
