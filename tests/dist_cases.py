@@ -53,7 +53,7 @@ def equivalence(config: dict, kind: str, steps: int = 2, break_sync: bool = Fals
                     m.set_custom_reduce_scatter(_LocalOnlyReduceScatter())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        vocab = 256 if kind == "llama" else 128
+        vocab = 128 if kind == "plain" else 256
 
         report = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "losses": []}
         for p_ref, (name, p) in zip(reference.parameters(), model.named_parameters()):

@@ -42,7 +42,7 @@ def test_broken_sync_is_caught(ranks):
 
 
 @pytest.mark.parametrize("world,config", [(2, {}), (4, {"hybrid_shard_degree": 2})])
-@pytest.mark.parametrize("kind", ["plain", "llama"])
+@pytest.mark.parametrize("kind", ["plain", "llama", "gpt2"])
 def test_delayed_init_equals_eager(ranks, world, config, kind):
     reports = ranks(world).run(dist_cases.equivalence, config, kind, 1, False, True)
     for report in reports:

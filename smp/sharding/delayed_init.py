@@ -7,7 +7,7 @@ that they equal the eager init for the same seed:
 - eager construction draws the RNG in each module's `reset_parameters()` and, for transformers
   models, in `initialize_weights()` at the end of each PreTrainedModel's __init__; `_Replay`
   re-runs those calls in construction order, on full-size temporary tensors of one module at a
-  time (peak extra memory: the largest module's own parameters), keeping this rank's shard.
+  time (peak extra memory: about one FSDP unit's parameters), keeping this rank's shard.
 
 Every rank computes the same full values (same seed), so no rank sends data to another in the
 first pass; the second gathers one module at a time.
@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
@@ -27,29 +28,52 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
+def _swap_entries(module: nn.Module, recurse: bool) -> list[tuple[nn.Module, str, DTensor]]:
+    """(owner module, name, sharded param) for `module`'s parameters; with `recurse`, also its
+    descendants' down to (not into) other FSDP units, so one swap never spans two units."""
+    entries = []
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        for name, param in current._parameters.items():
+            if isinstance(param, DTensor):
+                entries.append((current, name, param))
+        if recurse:
+            stack.extend(c for c in current.children() if not isinstance(c, FSDPModule))
+    return entries
+
+
 @contextmanager
-def _full_parameters(module: nn.Module, gather: bool) -> Iterator[None]:
-    """Swap the module's own DTensor parameters for plain full tensors, then write shards back."""
-    sharded: dict[str, nn.Parameter] = {}
-    for name, param in list(module._parameters.items()):
-        if param is None or not isinstance(param, DTensor):
-            continue
-        sharded[name] = param
+def _full_parameters(
+    module: nn.Module, gather: bool, first_owner: dict[int, int], recurse: bool = False
+) -> Iterator[None]:
+    """Swap sharded parameters for plain full tensors during an init call, then keep the shards.
+
+    Each (module, name) gets its own temporary: eager construction ties weights only after
+    initialising them, so a tied copy (an LM head tied to the embedding) draws the RNG into
+    its own tensor and only the first owner's values are kept.
+    """
+    entries = _swap_entries(module, recurse)
+    for owner, name, param in entries:
         if gather:
             full = param.full_tensor()
+            if full.untyped_storage().data_ptr() == param.to_local().untyped_storage().data_ptr():
+                full = full.clone()  # an unsharded mesh returns the shard itself: never alias it
         else:
             full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
-        module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+        owner._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
     try:
         yield
     finally:
-        for name, param in sharded.items():
-            full = module._parameters[name].detach()
+        for owner, name, param in entries:
+            full = owner._parameters[name].detach()
+            owner._parameters[name] = param
+            if first_owner.get(id(param)) != id(owner):
+                continue
             # src_data_rank=None: every rank slices its own shard from identical local data.
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             with torch.no_grad():
                 param.to_local().copy_(local.to_local())
-            module._parameters[name] = param
 
 
 def _is_hf_model(module: nn.Module) -> bool:
@@ -58,6 +82,15 @@ def _is_hf_model(module: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(module, PreTrainedModel)
+
+
+def _init_conv1d(module: nn.Module) -> None:
+    nn.init.normal_(module.weight, std=0.02)  # transformers.pytorch_utils.Conv1D.__init__
+
+
+# Known classes that draw the RNG in __init__ rather than in a reset_parameters() (GPT-2's
+# Conv1D): the replay must draw exactly as they do, or every later module gets other values.
+_CONSTRUCTOR_INITS: dict[str, Callable[[nn.Module], None]] = {"Conv1D": _init_conv1d}
 
 
 class _Replay:
@@ -69,16 +102,24 @@ class _Replay:
     PreTrainedModel already initialised). Verified bitwise against eager construction.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.hf_done: set[int] = set()
+        # Each parameter belongs to the first module that registers it; a tied copy elsewhere
+        # (an LM head tied to the embedding) draws the RNG but does not write.
+        self.first_owner: dict[int, int] = {}
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None:
+                    self.first_owner.setdefault(id(param), id(module))
 
     def construct(self, module: nn.Module) -> None:
         for child in module.children():
             self.construct(child)
         reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            with _full_parameters(module, gather=False):
-                reset()
+        constructor_init = _CONSTRUCTOR_INITS.get(type(module).__name__)
+        if callable(reset) or constructor_init is not None:
+            with _full_parameters(module, gather=False, first_owner=self.first_owner):
+                reset() if callable(reset) else constructor_init(module)
         if _is_hf_model(module):
             self._hf_initialize(module)
 
@@ -91,7 +132,8 @@ class _Replay:
             for child in module.children():
                 visit(child, child._initialize_weights if _is_hf_model(child) else init_fn)
             if id(module) not in self.hf_done:
-                with _full_parameters(module, gather=True):
+                # recurse: an init may write a child's weight (GPT-2 scales attn.c_proj).
+                with _full_parameters(module, gather=True, first_owner=self.first_owner, recurse=True):
                     init_fn(module, is_custom)
                 self.hf_done.add(id(module))
 
@@ -120,6 +162,6 @@ def materialize_meta_model(model: nn.Module, device: torch.device, seed: int) ->
         _check_initialisable(model)
     model.to_empty(device=device)
     torch.manual_seed(seed)
-    _Replay().construct(model)
+    _Replay(model).construct(model)
     if hf_model:
         model.tie_weights()

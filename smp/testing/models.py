@@ -20,9 +20,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = self.attn_in(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        # -1, not d // heads: under tensor parallel attn_in yields only this rank's heads.
+        q, k, v = self.attn_in(self.norm(x)).view(b, s, 3, self.heads, -1).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.attn_out(a.transpose(1, 2).reshape(b, s, d))
+        x = x + self.attn_out(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
 
 
@@ -63,11 +64,23 @@ def tiny_llama(**overrides) -> nn.Module:
     return LlamaForCausalLM(tiny_llama_config(**overrides))
 
 
+def tiny_gpt2() -> nn.Module:
+    """GPT-2: Conv1D layers (initialised in __init__) and an LM head tied to the embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # dropout draws differ per rank
+    ))
+
+
 def build(kind: str) -> nn.Module:
     if kind == "plain":
         return TinyTransformer()
     if kind == "llama":
         return tiny_llama()
+    if kind == "gpt2":
+        return tiny_gpt2()
     raise ValueError(f"unknown test model {kind!r}")
 
 
