@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from smp.config import SMPConfig, canonical_dtype
+from smp.tensor_parallel.styles import fsdp_shard_placement
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -35,7 +36,8 @@ def apply_fsdp(
     model: nn.Module, mesh: DeviceMesh, config: SMPConfig, blocks: list[nn.Module]
 ) -> nn.Module:
     """Shard `blocks` one FSDP unit each, then the root (embeddings, head, the rest)."""
-    kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(config), offload_policy=offload_policy(config))
+    kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(config), offload_policy=offload_policy(config),
+                  shard_placement_fn=fsdp_shard_placement)  # packed TP weights shard on their other dim
     for block in blocks:
         fully_shard(block, reshard_after_forward=config.reshard_after_forward, **kwargs)
     # The root's parameters are needed again right at the start of backward (the LM head is

@@ -1,0 +1,268 @@
+"""Named tensor-parallel styles: a plan's strings turned into DTensor `ParallelStyle` objects.
+
+The names are transformers' (`colwise`, `rowwise`, `colwise_gather_output`, `embedding_rowwise`,
+`packed_colwise`, ...) so a model's shipped `_tp_plan` is read as is. Most map straight onto
+`torch.distributed.tensor.parallel` styles; smp adds three things torch lacks:
+
+* GPT-2's `Conv1D` (weight stored transposed, `(in, out)`): the same styles, sharded on the
+  other weight dimension.
+* Packed projections (fused q|k|v or gate|up in one weight): each of the `k` packed parts is
+  split across ranks (`_StridedShard`), so rank r holds `[q_r | k_r | v_r]` and its heads are
+  whole. The matmul runs on local tensors; the input gradient is all-reduced on the way back.
+* `GatherSequence`: the entry of an attention/MLP region under sequence parallel, taking the
+  sequence-sharded residual stream (positional or `hidden_states=`) to a replicated tensor.
+
+Layouts depend on the options: under sequence parallel the residual stream between regions is a
+DTensor sharded on the sequence dim (global shapes, so HF models build masks and positions from
+the full sequence); with loss parallel the LM head leaves its logits vocab-sharded.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+SEQ_DIM = 1  # (batch, seq, hidden) everywhere in smp's supported models
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2 family): a Linear whose weight is stored as (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any, src_data_rank: int | None) -> None:
+    param = getattr(module, name)
+    module.register_parameter(
+        name,
+        nn.Parameter(
+            distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad,
+        ),
+    )
+
+
+class Conv1DColwise(ColwiseParallel):
+    """ColwiseParallel for `Conv1D`: weight (in, out) sharded on its out dim 1, bias on dim 0."""
+
+    def _partition_conv1d_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _distribute(module, "weight", mesh, Shard(1), self.src_data_rank)
+        if module.bias is not None:
+            _distribute(module, "bias", mesh, Shard(0), self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """RowwiseParallel for `Conv1D`: weight (in, out) sharded on its in dim 0, bias replicated."""
+
+    def _partition_conv1d_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _distribute(module, "weight", mesh, Shard(0), self.src_data_rank)
+        if module.bias is not None:
+            _distribute(module, "bias", mesh, Replicate(), self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition_conv1d_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+@contextmanager
+def _local_params(module: nn.Module, convert: dict[str, Any] | None = None) -> Iterator[None]:
+    """Run `module`'s own forward on the local shards of its DTensor parameters.
+
+    `to_local()` is differentiable: gradients flow back into the DTensor parameters with their
+    own placements. Reads `_parameters` at call time, so FSDP's unsharded parameters are used.
+    """
+    saved = dict(module._parameters)
+    nf = getattr(module, "nf", None)
+    try:
+        for name, p in saved.items():
+            if isinstance(p, DTensor):
+                to_local = (convert or {}).get(name, DTensor.to_local)
+                module._parameters[name] = to_local(p)  # type: ignore[assignment]
+        if is_conv1d(module):  # Conv1D views its output to (..., nf): the local width here
+            module.nf = module._parameters["weight"].shape[1]
+        yield
+    finally:
+        module._parameters.update(saved)
+        if nf is not None:
+            module.nf = nf
+
+
+class PackedColwise(ParallelStyle):
+    """Column-wise split of a packed projection (`parts` outputs fused in one weight).
+
+    Rank r keeps part_i's r-th slice for every part i, e.g. `[q_r | k_r | v_r]` for a fused qkv
+    (parts=3) or `[gate_r | up_r]` (parts=2). The module's output is that local concatenation,
+    so the code reading it must use per-rank sizes (smp divides head counts / split sizes).
+
+    Layouts chosen so that FSDP can shard on top and `full_tensor()` / checkpoints still give the
+    original (unpermuted) weight:
+      * weight: `_StridedShard(out_dim, parts)` on TP; FSDP then shards the *other* dim
+        (`fsdp_shard_placement`), since splitting a strided-local dim again has no DTensor layout.
+      * bias: replicated (out features, tiny); each rank reads its slices. Its gradient is
+        Partial over TP (each rank fills its own slices) and DTensor sums it.
+    """
+
+    def __init__(self, parts: int = 2):
+        super().__init__()
+        self.parts = parts
+
+    def _partition(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        out_dim = 1 if is_conv1d(module) else 0
+        _distribute(module, "weight", mesh, _StridedShard(out_dim, split_factor=self.parts), self.src_data_rank)
+        module.weight._smp_fsdp_shard_dim = 1 - out_dim  # type: ignore[attr-defined]
+        if getattr(module, "bias", None) is not None:
+            _distribute(module, "bias", mesh, Replicate(), self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+            raise NotImplementedError(f"packed colwise supports nn.Linear and Conv1D, not {type(module).__name__}")
+        self._partition(module, device_mesh)
+        original_forward = module.forward
+        parts, tp, rank = self.parts, device_mesh.size(), device_mesh.get_local_rank()
+
+        def local_bias(bias: DTensor) -> torch.Tensor:
+            full = bias.to_local(grad_placements=[Partial()])
+            n = full.shape[0] // parts // tp
+            return torch.cat([p[rank * n:(rank + 1) * n] for p in full.chunk(parts)])
+
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            x = x.redistribute(placements=[Replicate()])
+            # Each rank's input gradient covers only its own slice of outputs: declared Partial,
+            # DTensor all-reduces it to Replicate in backward.
+            x = x.to_local(grad_placements=[Partial()])
+            with _local_params(module, {"bias": local_bias}):
+                return original_forward(x, *args, **kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
+def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
+    """`fully_shard(shard_placement_fn=...)`: the dim FSDP shards a TP parameter on, when not 0."""
+    dim = getattr(param, "_smp_fsdp_shard_dim", None)
+    return None if dim is None else Shard(dim)
+
+
+class GatherSequence(ParallelStyle):
+    """Entry of a TP region under sequence parallel: sequence-sharded input -> replicated local.
+
+    Takes the first positional argument, else `hidden_states=` (how HF layers call attention).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(SEQ_DIM)], run_check=False)
+            return x.redistribute(placements=[Replicate()]).to_local()
+
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (gather(args[0]),) + tuple(args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                kwargs = dict(kwargs, hidden_states=gather(kwargs["hidden_states"]))
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class ReplicateToSequence(ParallelStyle):
+    """A module left whole whose output joins the sequence-sharded stream (GPT-2's position
+    embedding): parameters become Replicate DTensors, the output a Shard(1) DTensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for name, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(
+                    name, nn.Parameter(DTensor.from_local(p, mesh, [Replicate()], run_check=False), p.requires_grad)
+                )
+
+        def to_input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+                for t in inputs
+            )
+
+        def to_output(_mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> DTensor:
+            # Shard(SEQ_DIM) of a (1, seq, h) or (b, seq, h) tensor: a slice, no communication.
+            return out.redistribute(placements=[Shard(SEQ_DIM)])
+
+        return distribute_module(module, device_mesh, partition, to_input, to_output)
+
+
+@dataclass(frozen=True)
+class Options:
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+
+STYLE_NAMES = (
+    "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
+    "embedding_rowwise", "embedding_colwise", "packed_colwise", "packed_qkv_colwise",
+    "sequence_parallel", "gather_sequence", "replicate_to_sequence", "lm_head",
+)
+
+
+def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = False) -> ParallelStyle:
+    """The ParallelStyle for a plan entry `name` on `module`, given the TP options.
+
+    Under sequence parallel, layers that close a region (`rowwise`, the vocab-parallel
+    embedding) leave a Shard(1) DTensor, and layers that open one accept it.
+    """
+    sp = opts.sequence_parallel
+    seq_in = Shard(SEQ_DIM) if sp else Replicate()
+    conv = is_conv1d(module)
+    Col = Conv1DColwise if conv else ColwiseParallel
+    Row = Conv1DRowwise if conv else RowwiseParallel
+    if name == "colwise":
+        return Col()  # input arrives replicated (a region's entry gathers it under SP)
+    if name == "rowwise":
+        return Row(output_layouts=seq_in, use_local_output=not sp)
+    if name in ("colwise_rep", "colwise_gather_output", "lm_head"):
+        if name == "lm_head" or is_head:
+            # The LM head sits after the final norm: under SP its input is sequence-sharded.
+            if opts.loss_parallel:
+                return Col(input_layouts=seq_in, output_layouts=Shard(-1), use_local_output=False)
+            return Col(input_layouts=seq_in, output_layouts=Replicate())
+        return Col(output_layouts=Replicate())
+    if name in ("rowwise_rep", "rowwise_split_input"):
+        return Row(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "embedding_rowwise":  # vocab-parallel embedding
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=not sp)
+    if name == "embedding_colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=not sp)
+    if name == "packed_colwise":
+        return PackedColwise(2)
+    if name == "packed_qkv_colwise":
+        return PackedColwise(3)
+    if name == "sequence_parallel":
+        return SequenceParallel(sequence_dim=SEQ_DIM)
+    if name == "gather_sequence":
+        return GatherSequence()
+    if name == "replicate_to_sequence":
+        return ReplicateToSequence()
+    raise KeyError(name)
+
