@@ -1,14 +1,98 @@
-"""Activation checkpointing. (Placeholder until issue #4 lands: refuses modes it cannot do.)"""
+"""Activation checkpointing: `full` (recompute whole blocks) and `selective` (op-level).
+
+The block's own `forward` is replaced, on the instance, by one that runs the class's forward
+under torch's non-reentrant `torch.utils.checkpoint.checkpoint`. The module tree, parameter
+names and state-dict keys stay exactly as the user wrote them (no `_checkpoint_wrapped_module.`
+prefixes), so checkpoints load with or without this feature. FSDP2's hooks run around this
+forward once; the recompute in backward calls the class's forward directly, while FSDP holds
+the block's parameters gathered for backward. (torch's hook-based composable `checkpoint`
+re-runs the module's hooks in recompute: FSDP's mixed-precision input cast then runs inside
+selective checkpointing's recompute and breaks its op-for-op replay.)
+"""
 
 from __future__ import annotations
 
-from torch import nn
+import functools
+import warnings
 
-from smp.config import ConfigError, SMPConfig
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+
+from smp.activations.ops import op_matcher
+from smp.config import ActivationCheckpointingConfig, ConfigError, SMPConfig
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], config: SMPConfig) -> list[nn.Module]:
-    """Wrap blocks for recompute; returns the (possibly wrapped) blocks in the same order."""
-    if config.activation_checkpointing.mode != "none":
-        raise ConfigError("activation_checkpointing is not available in this build yet; set it to none")
+    """Checkpoint every n-th block in place; returns `blocks` unchanged (same objects, same order)."""
+    ac = config.activation_checkpointing
+    if ac.mode == "none":
+        return blocks
+    if not blocks:
+        raise ConfigError(
+            f"activation_checkpointing: {ac.mode} found no blocks to checkpoint in "
+            f"{type(model).__name__}; name the block class in shard_modules"
+        )
+    _disable_kv_cache(model)
+    context_fn = selective_context_fn(ac) if ac.mode == "selective" else noop_context_fn
+    for index, block in enumerate(blocks):
+        if index % ac.every_n_layers == 0:
+            # An instance attribute: nn.Module.__call__ (and FSDP's hooks around it) call it.
+            block.__dict__["forward"] = CheckpointedForward(block, context_fn, block.__dict__.get("forward"))
     return blocks
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+
+
+class CheckpointedForward:
+    """`module.forward` under non-reentrant checkpoint. A class, not a closure, so that
+    `copy.deepcopy(model)` gives the copy its own (bound to the copy)."""
+
+    def __init__(self, module: nn.Module, context_fn, inner=None) -> None:
+        self.module = module
+        self.context_fn = context_fn
+        self.inner = inner  # a forward already set on the instance (e.g. by accelerate's hooks)
+
+    def __call__(self, *args, **kwargs):
+        forward = self.inner or functools.partial(type(self.module).forward, self.module)
+        if not torch.is_grad_enabled():  # eval / no_grad: nothing to save, nothing to recompute
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
+
+
+def selective_context_fn(ac: ActivationCheckpointingConfig):
+    """context_fn for torch's checkpoint: save the outputs of `ac.save_ops`, recompute the rest."""
+    # A fresh pair of contexts per checkpointed call: they cache that call's saved outputs.
+    return functools.partial(create_selective_checkpoint_contexts, SaveListPolicy(ac.save_ops))
+
+
+class SaveListPolicy:
+    """Selective-checkpoint policy: MUST_SAVE for the listed ops, PREFER_RECOMPUTE for the rest.
+    A class (pickled by its op names) so that a checkpointed model can still be pickled."""
+
+    def __init__(self, save_ops: list[str]) -> None:
+        self.save_ops = list(save_ops)
+        self._is_saved = op_matcher(self.save_ops)
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if self._is_saved(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __getstate__(self) -> dict:
+        return {"save_ops": self.save_ops}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["save_ops"])
+
+
+def _disable_kv_cache(model: nn.Module) -> None:
+    """A Hugging Face model's KV cache would be appended to again by every recompute."""
+    hf_config = getattr(model, "config", None)
+    if getattr(hf_config, "use_cache", False):
+        warnings.warn(
+            "smp: activation checkpointing sets model.config.use_cache = False (a KV cache is "
+            "for generation, and recompute would append to it twice)",
+            stacklevel=3,
+        )
+        hf_config.use_cache = False
