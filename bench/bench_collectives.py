@@ -1,0 +1,216 @@
+"""Gradient reduce-scatter: the process group's own vs smp_collectives' ring / int8 / fp8,
+side by side in one run; then quantisation kernel throughput (fused Triton vs the torch chain).
+
+    torchrun --standalone --nproc-per-node 2 bench/bench_collectives.py [--sizes-mib 1 4 16 64] [--reps 3]
+    torchrun --standalone --nproc-per-node 4 bench/bench_collectives.py
+    torchrun --standalone --nproc-per-node 2 bench/bench_collectives.py --sizes-mib --kernel-mib 0 --train-steps 200
+
+For each fp32 bucket size S (MiB of the reduce-scatter input per rank) and algorithm, the
+algorithms run interleaved (default, ring, int8, fp8, default, ...) so that machine noise hits
+them alike; a barrier aligns ranks before each call and the reported time is the median over
+repetitions of the slowest rank's time. Bytes are what this rank put on the wire, counted by
+`smp_collectives.counters`; the process group's own collective is not instrumented, so its row
+shows the bandwidth-optimal (N-1)/N x S it cannot beat (NCCL's ring and gloo both achieve it).
+`link_ms` models a bandwidth-bound network: bytes / --link-gbps (default 100 Gbit/s, an
+inter-node EFA-class link per rank), the regime compression is for. Backend: NCCL when CUDA is
+available (one GPU per rank), else gloo. Writes bench/results/collectives_w{N}_{backend}.json.
+
+`--train-steps K` adds the training effect: a tiny Llama trained K AdamW steps through
+smp.transform with each gradient_sync setting (same init, same batches), mean loss of the
+last 20 steps vs fp32 sync (written to collectives_train_w{N}_{backend}.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import smp_collectives as sc
+from smp_collectives import counters
+
+ALGORITHMS = ("default", "ring", "int8", "fp8")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run(algorithm: str, out: torch.Tensor, inp: torch.Tensor, comm) -> None:
+    if algorithm == "default":
+        dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG)
+    else:
+        comm(output_tensor=out, input_tensor=inp, group=None, op=dist.ReduceOp.AVG)
+
+
+def bench_sizes(sizes_mib: list[float], reps: int, block: int, link_gbps: float, device) -> list[dict]:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    rows = []
+    for mib in sizes_mib:
+        numel = int(mib * 2**20) // 4 // n * n
+        g = torch.Generator().manual_seed(rank)
+        inp = (torch.randn(numel, generator=g) * 1e-2).to(device)
+        out = torch.empty(numel // n, device=device)
+        comms = {
+            "ring": sc.RingReduceScatter(),
+            "int8": sc.QuantizedReduceScatter("int8", block, error_feedback=True),
+            "fp8": sc.QuantizedReduceScatter("fp8", block, error_feedback=True),
+        }
+        times = {a: [] for a in ALGORITHMS}
+        sent = {}
+        for rep in range(reps + 1):  # rep 0 warms up (allocations, kernel compilation)
+            for a in ALGORITHMS:
+                counters.reset()
+                dist.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                _run(a, out, inp, comms.get(a))
+                _sync(device)
+                dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
+                if rep:
+                    times[a].append(float(dt))
+                sent[a] = counters.bytes_sent() if a != "default" else sc.fp32_bytes_bound(numel, n)
+        base = statistics.median(times["default"])
+        for a in ALGORITHMS:
+            med = statistics.median(times[a])
+            rows.append(dict(
+                size_mib=mib, algorithm=a, ms=1e3 * med, time_vs_default=med / base,
+                bytes_per_rank=sent[a], bytes_vs_fp32=sent[a] / sc.fp32_bytes_bound(numel, n),
+                bytes_measured=a != "default", link_ms=1e3 * sent[a] * 8 / (link_gbps * 1e9),
+            ))
+    return rows
+
+
+def _median_time(fn, reps: int, device) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench_kernels(mib: float, block: int, reps: int, device) -> list[dict]:
+    """Quantise(+error feedback) and dequantise-accumulate: torch chain vs fused Triton (GPU)."""
+    rows_n = 4
+    x = torch.randn(rows_n, int(mib * 2**20) // 4 // rows_n, device=device)
+    impls = ["torch"] + (["triton"] if device.type == "cuda" else [])
+    out = []
+    for kind in ("int8", "fp8"):
+        for impl in impls:
+            res = torch.zeros_like(x)
+            t_q = _median_time(lambda: sc.quantize(x, block, kind, res, impl=impl), reps, device)
+            q, s = sc.quantize(x, block, kind, impl=impl)
+            t_d = _median_time(lambda: sc.dequantize_accumulate(q, s, block, kind, 4.0, impl=impl), reps, device)
+            gb = x.numel() * 4 / 1e9
+            out.append(dict(kind=kind, impl=impl, size_mib=mib,
+                            quantize_ef_gbps=gb / t_q, dequant_acc_gbps=gb / t_d,
+                            quantize_ef_ms=1e3 * t_q, dequant_acc_ms=1e3 * t_d))
+    return out
+
+
+def _pattern_batch(g: torch.Generator, batch: int, seq: int, vocab: int) -> torch.Tensor:
+    """Even positions random, odd ones a fixed function of the previous token: the loss falls
+    from ln(V) towards a floor near ln(V)/2 instead of to 0, so 1% is a meaningful margin."""
+    x = torch.randint(0, vocab, (batch, seq), generator=g)
+    x[:, 1::2] = (x[:, 0::2] * 7 + 3) % vocab
+    return x
+
+
+def train_curves(steps: int) -> dict[str, float]:
+    import smp
+    from smp.testing.models import build, loss_of
+
+    settings = {
+        "fp32": {}, "int8": {"gradient_sync": "int8"}, "fp8": {"gradient_sync": "fp8"},
+        "int8_no_error_feedback": {"gradient_sync": {"algorithm": "int8", "error_feedback": False}},
+    }
+    final = {}
+    for name, config in settings.items():
+        smp.init(config)
+        torch.manual_seed(smp.state.config.random_seed)
+        model = smp.transform(build("llama"))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(7)
+        per = 8 // smp.state.dp_size
+        losses = []
+        for _ in range(steps):
+            batch = _pattern_batch(g, 8, 16, 256)[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
+            loss = loss_of(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().double().clone()
+            dist.all_reduce(t)
+            losses.append(float(t) / dist.get_world_size())
+        final[name] = statistics.mean(losses[-20:])
+        smp.shutdown()
+    return final
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes-mib", type=float, nargs="*", default=[1, 4, 16, 64])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--link-gbps", type=float, default=100.0)
+    parser.add_argument("--kernel-mib", type=float, default=16, help="0 skips the kernel benchmark")
+    parser.add_argument("--train-steps", type=int, default=0, help="> 0 adds the training comparison")
+    args = parser.parse_args()
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    rows = bench_sizes(args.sizes_mib, args.reps, args.block, args.link_gbps, device)
+    kernels = bench_kernels(args.kernel_mib, args.block, args.reps, device) if rank == 0 and args.kernel_mib else []
+    dist.barrier()
+    if args.train_steps:
+        final = train_curves(args.train_steps)
+        if rank == 0:
+            print(f"training, tiny Llama, world {n}, {args.train_steps} AdamW steps, mean loss of the last 20:")
+            for name, v in final.items():
+                print(f"{name:>24}: {v:.4f} ({100 * (v / final['fp32'] - 1):+.2f}% vs fp32)")
+            out = Path(__file__).parent / "results" / f"collectives_train_w{n}_{backend}.json"
+            out.write_text(json.dumps(dict(world_size=n, steps=args.train_steps, final_loss=final), indent=2))
+            print(f"wrote {out}")
+    if rank == 0 and rows:
+        print(f"reduce-scatter, world {n}, {backend}, block {args.block}, link model {args.link_gbps} Gbit/s")
+        print(f"{'MiB':>5} {'algorithm':>9} {'ms':>9} {'x default':>9} {'bytes/rank':>11} {'x fp32':>7} {'link ms':>8}")
+        for r in rows:
+            mark = "" if r["bytes_measured"] else "*"
+            print(f"{r['size_mib']:>5g} {r['algorithm']:>9} {r['ms']:>9.2f} {r['time_vs_default']:>9.2f} "
+                  f"{r['bytes_per_rank']:>10d}{mark:1} {r['bytes_vs_fp32']:>7.3f} {r['link_ms']:>8.2f}")
+        print("* (N-1)/N x S: the process group's collective is not instrumented")
+        print(f"\nquantisation kernels on {device.type}, {args.kernel_mib:g} MiB fp32 input")
+        for k in kernels:
+            print(f"{k['kind']:>5} {k['impl']:>7}: quantize+EF {k['quantize_ef_gbps']:.2f} GB/s "
+                  f"({k['quantize_ef_ms']:.1f} ms), dequant+acc {k['dequant_acc_gbps']:.2f} GB/s ({k['dequant_acc_ms']:.1f} ms)")
+        out = Path(__file__).parent / "results" / f"collectives_w{n}_{backend}.json"
+        out.write_text(json.dumps(dict(
+            world_size=n, backend=backend, block=args.block, link_gbps=args.link_gbps, reps=args.reps,
+            cpu_threads=torch.get_num_threads(), torch=torch.__version__, reduce_scatter=rows, kernels=kernels,
+        ), indent=2))
+        print(f"wrote {out}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

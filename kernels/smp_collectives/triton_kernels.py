@@ -1,0 +1,152 @@
+"""Fused Triton kernels for block quantisation: quantise(+error feedback), dequantise(+accumulate).
+
+One fused pass replaces the torch chain (add residual, abs, amax, divide, round, cast, decode,
+multiply, subtract: ~9 kernels and as many round trips through memory).
+
+Every operation is an IEEE fp32 add/multiply/correctly-rounded divide (`tl.div_rn`) or an
+integer bit operation, in the same order as the torch reference in `quantization.py`, so the two
+agree bitwise. Two deliberate choices make that hold under TRITON_INTERPRET=1 too, whose
+float->int8/fp8 casts truncate instead of rounding (PLATFORM.md):
+  * round-to-nearest-even by the magic-number trick `(y + 1.5 * 2**23) - 1.5 * 2**23` (exact
+    for |y| < 2**22) before any cast, so every cast is of a value that is already exact;
+  * fp8 e4m3fn codes built with integer operations on the fp32 bits, never a float8 cast.
+Inputs may be fp32/bf16/fp16: they are converted to fp32 on load, all arithmetic is fp32.
+Kernels launch with `enable_fp_fusion=False`: a fused multiply-add (`acc += code * scale`,
+`residual = c - code * scale`) rounds once where torch rounds twice, which would break bitwise
+equality on GPUs (the interpreter never fuses).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from smp_collectives.quantization import QMAX, _check, num_blocks
+
+_TILE = 4096  # elements per program: fewer programs is what the interpreter pays for
+
+
+@triton.jit
+def _round_half_even(y):
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _encode(y, IS_FP8: tl.constexpr):
+    """y (fp32, already divided by the block scale) -> uint8 code."""
+    if IS_FP8:
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        bits = y.to(tl.int32, bitcast=True)
+        a = tl.abs(y)
+        # e = floor(log2 a) from the exponent field, floored at e4m3's min normal exponent -6;
+        # below it the spacing stays 2**-9 (subnormals).
+        e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        inv_quantum = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e), exact
+        r = _round_half_even(a * inv_quantum).to(tl.int32)  # 0..16, exact integer
+        # code = exponent field * 8 + mantissa; r = 16 carries into the next binade and
+        # r = 8 in the subnormal range is the smallest normal: both fall out of this sum.
+        code = (e + 6) * 8 + r
+        code = tl.where(bits < 0, code | 0x80, code)
+        return code.to(tl.uint8)
+    else:
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        return _round_half_even(y).to(tl.int8).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _decode(q, IS_FP8: tl.constexpr):
+    """uint8 code -> fp32 value (before the block scale)."""
+    if IS_FP8:
+        c = q.to(tl.int32)
+        m7 = c & 0x7F
+        ex = m7 >> 3
+        man = m7 & 7
+        mant = tl.where(ex > 0, man + 8, man).to(tl.float32)
+        p2 = ((tl.maximum(ex, 1) + 117) << 23).to(tl.float32, bitcast=True)  # 2**(ex - 10)
+        v = mant * p2
+        return tl.where(c >= 0x80, -v, v)
+    else:
+        return q.to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, res_ptr, q_ptr, scale_ptr, cols, nb, qmax,
+    HAS_RES: tl.constexpr, IS_FP8: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * GROUP + tl.arange(0, GROUP)  # [GROUP] block indices in the row
+    col = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [GROUP, BLOCK]
+    mask = (col < cols) & (blk[:, None] < nb)
+    offs = row * cols + col
+    c = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        c = c + tl.load(res_ptr + offs, mask=mask, other=0.0)
+    scale = tl.div_rn(tl.max(tl.abs(c), axis=1), qmax)  # [GROUP]
+    safe = tl.where(scale > 0, scale, 1.0)
+    q = _encode(tl.div_rn(c, safe[:, None]), IS_FP8)
+    tl.store(q_ptr + offs, q, mask=mask)
+    tl.store(scale_ptr + row * nb + blk, scale, mask=blk < nb)
+    if HAS_RES:
+        tl.store(res_ptr + offs, c - _decode(q, IS_FP8) * scale[:, None], mask=mask)
+
+
+@triton.jit
+def _dequantize_accumulate_kernel(
+    q_ptr, scale_ptr, out_ptr, rows, cols, nb, divisor,
+    IS_FP8: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+):
+    blk = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    col = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (col < cols) & (blk[:, None] < nb)
+    acc = tl.zeros((GROUP, BLOCK), dtype=tl.float32)
+    for _ in range(rows):  # row order fixed: the sum is deterministic and matches torch
+        q = tl.load(q_ptr + col, mask=mask, other=0)
+        s = tl.load(scale_ptr + blk, mask=blk < nb, other=0.0)
+        acc += _decode(q, IS_FP8) * s[:, None]
+        q_ptr += cols  # pointer arithmetic is 64-bit: no int32 overflow on big buffers
+        scale_ptr += nb
+    tl.store(out_ptr + col, tl.div_rn(acc, divisor), mask=mask)
+
+
+def _group(block: int) -> int:
+    return max(1, _TILE // block)
+
+
+def quantize(x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | None = None):
+    _check(kind, block)
+    x = x.contiguous()
+    rows, cols = x.shape
+    nb = num_blocks(cols, block)
+    q = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((rows, nb), dtype=torch.float32, device=x.device)
+    if residual is not None:
+        assert residual.is_contiguous() and residual.dtype == torch.float32 and residual.shape == x.shape
+    group = _group(block)
+    grid = (rows, triton.cdiv(nb, group))
+    _quantize_kernel[grid](
+        x, residual if residual is not None else x, q, scale, cols, nb, QMAX[kind],
+        HAS_RES=residual is not None, IS_FP8=kind == "fp8", BLOCK=block, GROUP=group,
+        enable_fp_fusion=False,
+    )
+    return q, scale
+
+
+def dequantize_accumulate(q: torch.Tensor, scale: torch.Tensor, block: int, kind: str, divisor: float = 1.0):
+    _check(kind, block)
+    rows, cols = q.shape
+    nb = num_blocks(cols, block)
+    out = torch.empty(cols, dtype=torch.float32, device=q.device)
+    group = _group(block)
+    _dequantize_accumulate_kernel[(triton.cdiv(nb, group),)](
+        q.contiguous(), scale.contiguous(), out, rows, cols, nb, float(divisor),
+        IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, enable_fp_fusion=False,
+    )
+    return out
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, kind: str) -> torch.Tensor:
+    return torch.stack(
+        [dequantize_accumulate(q[r : r + 1], scale[r : r + 1], block, kind) for r in range(q.shape[0])]
+    )
