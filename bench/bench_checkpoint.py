@@ -1,0 +1,128 @@
+"""Checkpoint save / load time and bytes for a few model sizes, sync vs async, in one run.
+
+    torchrun --standalone --nproc-per-node 2 bench/bench_checkpoint.py [--sizes 256x4,512x8,1024x8]
+
+For each tiny-Llama size (hidden x layers, AdamW state included) and each mode:
+  - sync save: the time the training loop is blocked = the whole save;
+  - async save: the time `save(..., async_save=True)` blocks (the host copy) and the time
+    until `wait()` sees the checkpoint committed;
+  - load (into a freshly transformed model and optimizer) and export_hf;
+  - bytes on disk of the checkpoint and of the export.
+Median of --repeats runs, rank 0's clock after a barrier. Writes bench/results/checkpoint_w{N}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import smp
+from smp.testing.models import tiny_llama_config
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t
+
+
+def _build(hidden: int, layers: int):
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_llama_config(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                            num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1),
+                            vocab_size=32000)
+    model = smp.transform(LlamaForCausalLM(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 32000, (1, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step(), opt.zero_grad()  # optimizer state exists, as in a real run
+    return model, opt, sum(p.numel() for p in model.parameters())
+
+
+def bench_size(hidden: int, layers: int, root: str, repeats: int) -> dict:
+    model, opt, n_params = _build(hidden, layers)
+    ck = smp.checkpointing
+    sync, blocked, total, load, export = [], [], [], [], []
+    for i in range(repeats):
+        path = os.path.join(root, f"s{hidden}_{i}")
+        sync.append(_timed(lambda: ck.save(path + "_sync", model, opt, extra={"step": i})))
+        t0 = time.perf_counter()
+        blocked.append(_timed(lambda: ck.save(path + "_async", model, opt, extra={"step": i}, async_save=True)))
+        ck.wait()
+        dist.barrier()
+        total.append(time.perf_counter() - t0)
+        fresh, fresh_opt, _ = _build(hidden, layers)
+        load.append(_timed(lambda: ck.load(path + "_sync", fresh, fresh_opt)))
+        export.append(_timed(lambda: ck.export_hf(path + "_hf", model)))
+        del fresh, fresh_opt
+    sample = os.path.join(root, f"s{hidden}_0")
+    row = {
+        "hidden": hidden, "layers": layers, "params": n_params,
+        "checkpoint_bytes": _dir_bytes(sample + "_sync"), "export_bytes": _dir_bytes(sample + "_hf"),
+        "sync_save_s": statistics.median(sync), "async_save_blocked_s": statistics.median(blocked),
+        "async_save_total_s": statistics.median(total), "load_s": statistics.median(load),
+        "export_hf_s": statistics.median(export),
+    }
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for i in range(repeats):
+            for suffix in ("_sync", "_async", "_hf"):
+                shutil.rmtree(os.path.join(root, f"s{hidden}_{i}{suffix}"), ignore_errors=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="256x4,512x8,1024x8", help="hidden x layers, comma separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hybrid", type=int, default=0)
+    parser.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    smp.init({"hybrid_shard_degree": args.hybrid})
+    root = args.dir or (tempfile.mkdtemp(prefix="smp_ckpt_bench_") if dist.get_rank() == 0 else None)
+    box = [root]
+    dist.broadcast_object_list(box, src=0)
+    root = box[0]
+    rows = []
+    for size in args.sizes.split(","):
+        hidden, layers = (int(x) for x in size.split("x"))
+        rows.append(bench_size(hidden, layers, root, args.repeats))
+        if dist.get_rank() == 0:
+            r = rows[-1]
+            print(f"{r['params'] / 1e6:7.1f}M params  ckpt {r['checkpoint_bytes'] / 2**20:8.1f} MiB  "
+                  f"sync save {r['sync_save_s']:.3f}s  async blocks {r['async_save_blocked_s']:.3f}s "
+                  f"(done {r['async_save_total_s']:.3f}s)  load {r['load_s']:.3f}s  "
+                  f"export_hf {r['export_hf_s']:.3f}s ({r['export_bytes'] / 2**20:.1f} MiB)", flush=True)
+    if dist.get_rank() == 0:
+        out = Path(__file__).parent / "results" / f"checkpoint_w{dist.get_world_size()}.json"
+        out.write_text(json.dumps({
+            "world_size": dist.get_world_size(), "config": {"hybrid_shard_degree": args.hybrid},
+            "torch": torch.__version__, "storage": "local disk (virtio block device)",
+            "command": f"torchrun --standalone --nproc-per-node {dist.get_world_size()} "
+                       f"bench/bench_checkpoint.py --sizes {args.sizes} --repeats {args.repeats}",
+            "rows": rows,
+        }, indent=1))
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    smp.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,494 @@
+"""Checkpointing cases that run on every rank of a RankPool (and a crash script, at the end).
+
+Data is fed by step index (`_batch(step)`), so an interrupted run sees the same batches as an
+uninterrupted one; dropout makes the losses depend on each rank's RNG stream.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import smp
+from smp.testing.models import TinyTransformer, loss_of, random_batch, tiny_llama
+
+GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 256
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _batch(step: int) -> torch.Tensor:
+    return random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=1000 + step)
+
+
+def _local_rows(batch: torch.Tensor) -> torch.Tensor:
+    per = batch.shape[0] // smp.state.dp_size
+    return batch[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
+
+
+def _dp_mean(value: torch.Tensor) -> float:
+    t = value.detach().double().clone()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _llama(seed: int, dropout: float = 0.0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return tiny_llama(attention_dropout=dropout, **overrides)
+
+
+def _optim(model: torch.nn.Module):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # lr changes mid-run
+    return opt, sched
+
+
+def _steps(model, opt, sched, start: int, stop: int) -> list[float]:
+    losses = []
+    for step in range(start, stop):
+        loss = loss_of(model, _local_rows(_batch(step)))
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(_dp_mean(loss))
+    return losses
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _tp_sharded(model) -> bool:
+    """Whether tensor parallelism really split some parameter (a "tp" mesh axis of size > 1)."""
+    for p in model.parameters():
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
+            if p.device_mesh["tp"].size() > 1:
+                return True
+    return False
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact resume at the same world size
+
+
+def exact_resume(config: dict, root: str, steps: int = 4, save_at: int = 2, async_save: bool = False,
+                 reseed_after_load: bool = False) -> dict:
+    """Uninterrupted `steps` steps (saving at `save_at` on the way) vs a fresh model loaded from
+    that checkpoint and continued. `reseed_after_load` throws the restored RNG away (must fail)."""
+    smp.init(config)
+    try:
+        model = smp.transform(_llama(0, dropout=0.2))
+        opt, sched = _optim(model)
+        path = os.path.join(root, f"step_{save_at}")
+        losses = _steps(model, opt, sched, 0, save_at)
+        smp.checkpointing.save(path, model, opt, extra={"step": save_at, "scheduler": sched.state_dict()},
+                               async_save=async_save)
+        losses += _steps(model, opt, sched, save_at, steps)  # runs while an async save writes
+        smp.checkpointing.wait()
+        final = _params(model)
+
+        fresh = smp.transform(_llama(99, dropout=0.2))  # other weights: load must replace them
+        fresh_opt, fresh_sched = _optim(fresh)
+        extra = smp.checkpointing.load(smp.checkpointing.latest(root), fresh, fresh_opt)
+        fresh_sched.load_state_dict(extra["scheduler"])
+        if reseed_after_load:
+            torch.manual_seed(4321)
+        resumed = _steps(fresh, fresh_opt, fresh_sched, extra["step"], steps)
+        return {
+            "losses": losses, "resumed": resumed, "step": extra["step"],
+            "param_diff": _max_diff(final, _params(fresh)),
+            "lr": (opt.param_groups[0]["lr"], fresh_opt.param_groups[0]["lr"]),
+        }
+    finally:
+        smp.shutdown()
+
+
+def saving_changes_nothing(config: dict, root: str, steps: int = 3) -> dict:
+    """Losses of a run that saves (before its first step, and midway) vs one that never does,
+    and of a run resumed from the step-0 checkpoint."""
+    smp.init(config)
+    try:
+        ck = smp.checkpointing
+
+        def run(save: bool) -> list[float]:
+            torch.manual_seed(5)
+            model = smp.transform(_llama(0, dropout=0.2))
+            opt, sched = _optim(model)
+            losses = []
+            for step in range(steps):
+                if save:
+                    ck.save(os.path.join(root, f"s{step}"), model, opt,
+                            extra={"step": step, "scheduler": sched.state_dict()})
+                losses += _steps(model, opt, sched, step, step + 1)
+            return losses
+
+        plain, saving = run(False), run(True)
+        model = smp.transform(_llama(99, dropout=0.2))
+        opt, sched = _optim(model)
+        extra = ck.load(os.path.join(root, "s0"), model, opt)
+        sched.load_state_dict(extra["scheduler"])
+        return {"plain": plain, "saving": saving, "from_step_0": _steps(model, opt, sched, 0, steps)}
+    finally:
+        smp.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Resharding: save at one layout, load at another, against the single-process run
+
+
+def _reference_losses(steps: int) -> list[float]:
+    """The single-process run on the whole global batch: the oracle for every layout."""
+    model = _llama(0)
+    opt, sched = _optim(model)
+    losses = []
+    for step in range(steps):
+        loss = loss_of(model, _batch(step))
+        loss.backward()
+        opt.step(), sched.step(), opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def reshard_save(config: dict, path: str, save_at: int) -> list[float]:
+    smp.init(config)
+    try:
+        model = smp.transform(_llama(0))
+        opt, sched = _optim(model)
+        losses = _steps(model, opt, sched, 0, save_at)
+        smp.checkpointing.save(path, model, opt, extra={"step": save_at, "scheduler": sched.state_dict()})
+        return losses
+    finally:
+        smp.shutdown()
+
+
+def reshard_resume(config: dict, path: str, steps: int, with_optimizer: bool = True) -> dict:
+    smp.init(config)
+    try:
+        model = smp.transform(_llama(99))
+        opt, sched = _optim(model)
+        extra = smp.checkpointing.load(path, model, opt if with_optimizer else None)
+        sched.load_state_dict(extra["scheduler"])
+        resumed = _steps(model, opt, sched, extra["step"], steps)
+        return {"resumed": resumed, "step": extra["step"], "reference": _reference_losses(steps),
+                "tp": _tp_sharded(model)}
+    finally:
+        smp.shutdown()
+
+
+def plain_dcp_load(path: str) -> float:
+    """Read an smp checkpoint with torch.distributed.checkpoint alone into an unsharded model;
+    return the largest difference from the single-process model trained the same steps."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _llama(99)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    reference = _llama(0)
+    opt, sched = _optim(reference)
+    for step in range(2):
+        loss_of(reference, _batch(step)).backward()
+        opt.step(), sched.step(), opt.zero_grad()
+    return _max_diff(dict(model.named_parameters()), dict(reference.named_parameters()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomicity: a failing save, keep-last-N
+
+
+class _InjectedFailure(RuntimeError):
+    pass
+
+
+def failed_save_keeps_previous(config: dict, root: str) -> dict:
+    """Save step_1, then a save whose storage write fails on rank 1 part-way; the previous
+    checkpoint must stay latest() and load."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    smp.init(config)
+    try:
+        model = smp.transform(TinyTransformer())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        smp.checkpointing.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
+        at_1 = _params(model)
+        loss_of(model, _local_rows(random_batch(GLOBAL_BATCH, SEQ, 128, seed=3))).backward()
+        opt.step()
+
+        original = FileSystemWriter.write_data
+
+        def failing(self, plan, planner):
+            if dist.get_rank() == 1:
+                original(self, plan, planner)  # this rank's file is half the checkpoint
+                raise _InjectedFailure("disk full (injected)")
+            return original(self, plan, planner)
+
+        FileSystemWriter.write_data = failing
+        error = ""
+        try:
+            smp.checkpointing.save(os.path.join(root, "step_2"), model, opt, extra={"step": 2})
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            FileSystemWriter.write_data = original
+        dist.barrier()
+        latest = smp.checkpointing.latest(root)
+        fresh = smp.transform(TinyTransformer(dim=32))
+        extra = smp.checkpointing.load(latest, fresh)
+        return {
+            "error": error, "latest": os.path.basename(latest), "step": extra["step"],
+            "param_diff": _max_diff(at_1, _params(fresh)), "listing": sorted(os.listdir(root)),
+        }
+    finally:
+        smp.shutdown()
+
+
+def keep_last(config: dict, root: str) -> dict:
+    smp.init(config)
+    try:
+        model = smp.transform(TinyTransformer())
+        for step in range(1, 5):
+            smp.checkpointing.save(os.path.join(root, f"step_{step}"), model, extra={"step": step}, keep_last=2)
+        # Overwriting a name in place keeps it complete and makes it the newest.
+        smp.checkpointing.save(os.path.join(root, "step_3"), model, extra={"step": 33}, keep_last=2)
+        latest = smp.checkpointing.latest(root)
+        return {"listing": sorted(os.listdir(root)), "latest": os.path.basename(latest),
+                "step": smp.checkpointing.load(latest, model)["step"]}
+    finally:
+        smp.shutdown()
+
+
+def async_snapshot(config: dict, root: str) -> float:
+    """An async save holds the state as of the call, though training mutates it right after."""
+    smp.init(config)
+    try:
+        model = smp.transform(TinyTransformer())
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        before = _params(model)
+        smp.checkpointing.save(os.path.join(root, "a"), model, opt, async_save=True)
+        for _ in range(2):
+            loss_of(model, _local_rows(random_batch(GLOBAL_BATCH, SEQ, 128, seed=4))).backward()
+            opt.step(), opt.zero_grad()
+        assert _max_diff(before, _params(model)) > 1e-3  # training really moved the weights
+        smp.checkpointing.wait()
+        smp.checkpointing.load(os.path.join(root, "a"), model, opt)
+        return _max_diff(before, _params(model))
+    finally:
+        smp.shutdown()
+
+
+def async_committed_by_shutdown(config: dict, root: str) -> str | None:
+    """An async save never waited for is committed by smp.shutdown, not lost."""
+    smp.init(config)
+    try:
+        model = smp.transform(TinyTransformer())
+        smp.checkpointing.save(os.path.join(root, "b"), model, async_save=True)
+    finally:
+        smp.shutdown()
+    found = smp.checkpointing.latest(root)
+    return found and os.path.basename(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face export / import
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    return _full(out).float()
+
+
+def export_then_from_pretrained(config: dict, out: str, max_shard_bytes: int, tie: bool = False,
+                                dtype: str | None = None) -> dict:
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    smp.init(config)
+    try:
+        model = smp.transform(_llama(0, tie_word_embeddings=tie))
+        opt, sched = _optim(model)
+        _steps(model, opt, sched, 0, 1)  # trained weights, not the init
+        model.eval()
+        ids = _batch(7)
+        logits = _logits(model, ids)
+        cast = getattr(torch, dtype) if dtype else None
+        smp.checkpointing.export_hf(out, model, max_shard_bytes=max_shard_bytes, dtype=cast)
+        hf = LlamaForCausalLM.from_pretrained(out)  # plain transformers, no smp involved
+        hf.eval()
+        back = smp.transform(_llama(99, tie_word_embeddings=tie))  # round trip into a fresh model
+        smp.checkpointing.load_hf(out, back)
+        expected = {k: v.to(cast).float() if cast else v for k, v in _params(model).items()}
+        files = sorted(os.listdir(out))
+        with safe_open(os.path.join(out, [f for f in files if f.endswith(".safetensors")][0]), "pt") as f:
+            file_dtype = str(f.get_slice(next(iter(f.keys()))).get_dtype())
+        return {"logit_diff": float((hf(input_ids=ids).logits.detach().float() - logits).abs().max()),
+                "round_trip_diff": _max_diff(expected, _params(back)), "file_dtype": file_dtype,
+                "files": files, "tp": _tp_sharded(model)}
+    finally:
+        smp.shutdown()
+
+
+class _count_reads:
+    """Count the tensor elements HuggingFaceStorageReader hands this rank (streaming proof)."""
+
+    def __init__(self):
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        self.cls, self.original, self.elements = HuggingFaceStorageReader, HuggingFaceStorageReader._process_read_request, 0
+        counter = self
+
+        def counted(reader, f, req, planner):
+            counter.elements += int(torch.tensor(req.lengths).prod())
+            return counter.original(reader, f, req, planner)
+
+        HuggingFaceStorageReader._process_read_request = counted
+
+    def undo(self):
+        self.cls._process_read_request = self.original
+
+
+def import_hf(config: dict, hf_dir: str, tie: bool, dtype: str) -> dict:
+    """A folder written by transformers' save_pretrained streamed into a sharded model."""
+    smp.init(config)
+    try:
+        reference = _llama(7, tie_word_embeddings=tie)
+        if dist.get_rank() == 0:
+            reference.to(getattr(torch, dtype)).save_pretrained(hf_dir, max_shard_size="40KB")
+        reference = reference.to(getattr(torch, dtype)).float()
+        dist.barrier()
+        model = smp.transform(_llama(99, tie_word_embeddings=tie))
+        read = _count_reads()
+        try:
+            smp.checkpointing.load_hf(hf_dir, model)
+        finally:
+            read.undo()
+        ids = _batch(5)
+        model.eval(), reference.eval()
+        ref_params = dict(reference.named_parameters())
+        return {
+            "param_diff": max(float((_full(p.detach()) - ref_params[n]).abs().max()) for n, p in model.named_parameters()),
+            "logit_diff": float((_logits(model, ids) - _logits(reference, ids)).abs().max()),
+            "files": len([f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]),
+            "tp": _tp_sharded(model),
+            # elements this rank read from the files / elements in the files
+            "read_fraction": read.elements / sum(p.numel() for p in reference.parameters()),
+        }
+    finally:
+        smp.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Error paths: each returns the message smp raised (or "" when nothing was raised)
+
+
+def _error(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except smp.ConfigError as e:
+        return str(e)
+    return ""
+
+
+def error_messages(config: dict, root: str) -> dict[str, str]:
+    smp.init(config)
+    try:
+        ck = smp.checkpointing
+        model = smp.transform(TinyTransformer())
+        ck.save(os.path.join(root, "tiny"), model)  # model only, no optimizer
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            os.makedirs(os.path.join(root, "random_dir"), exist_ok=True)
+            open(os.path.join(root, "random_dir", "notes.txt"), "w").close()
+            os.makedirs(os.path.join(root, "half"), exist_ok=True)
+            open(os.path.join(root, "half", ".metadata"), "w").close()  # DCP data, never committed
+        dist.barrier()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tiny = os.path.join(root, "tiny")
+        out = {
+            "missing_dir": _error(ck.load, os.path.join(root, "nope"), model),
+            "none_path": _error(ck.load, None, model),
+            "not_checkpoint": _error(ck.load, os.path.join(root, "random_dir"), model),
+            "uncommitted": _error(ck.load, os.path.join(root, "half"), model),
+            "no_optimizer": _error(ck.load, tiny, model, opt),
+            "more_layers": _error(ck.load, tiny, smp.transform(TinyTransformer(layers=3))),
+            "fewer_layers": _error(ck.load, tiny, smp.transform(TinyTransformer(layers=1))),
+            "other_vocab": _error(ck.load, tiny, smp.transform(TinyTransformer(vocab=100))),
+            "other_model": _error(ck.load, tiny, smp.transform(_llama(0))),
+            "hf_not_hf": _error(ck.load_hf, os.path.join(root, "random_dir"), model),
+            "keep_last_0": _error(ck.save, os.path.join(root, "x"), model, None, None, keep_last=0),
+            "unpicklable_extra": _error(ck.save, os.path.join(root, "y"), model, None, {"f": lambda: 0}),
+        }
+        ck.export_hf(os.path.join(root, "hf"), smp.transform(_llama(0)))
+        out["hf_wrong_model"] = _error(ck.load_hf, os.path.join(root, "hf"), model)
+        out["load_of_export"] = _error(ck.load, os.path.join(root, "hf"), model)
+        out["ok"] = _error(ck.load, tiny, model)  # the right model loads: no error
+        out["listing"] = sorted(os.listdir(root))  # failed saves left nothing behind
+        out["latest"] = os.path.basename(ck.latest(root))  # the export "hf" is newer: not a checkpoint
+        return out
+    finally:
+        smp.shutdown()
+
+
+def load_latest_into_fresh(config: dict, root: str) -> dict:
+    """After a killed save (see `crash` below): what latest() returns, and whether it loads."""
+    smp.init(config)
+    try:
+        latest = smp.checkpointing.latest(root)
+        model = smp.transform(TinyTransformer())
+        torch.manual_seed(0)
+        expected = TinyTransformer()  # the crash script saved this init at step_1
+        extra = smp.checkpointing.load(latest, model)
+        diff = _max_diff(_params(model), dict(expected.named_parameters()))
+        # The next save with keep_last clears what the killed save left behind.
+        smp.checkpointing.save(os.path.join(root, "step_3"), model, keep_last=5)
+        return {"latest": os.path.basename(latest), "step": extra["step"], "param_diff": diff,
+                "listing": sorted(os.listdir(root))}
+    finally:
+        smp.shutdown()
+
+
+def crash(root: str, point: str) -> None:
+    """(A child process) save step_1, then SIGKILL itself part-way through saving step_2."""
+    import smp.checkpointing.atomic as atomic
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    smp.init({})
+    torch.manual_seed(0)
+    model = smp.transform(TinyTransformer())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    smp.checkpointing.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
+    loss_of(model, random_batch(GLOBAL_BATCH, SEQ, 128, seed=3)).backward()
+    opt.step()
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "write":  # shards half written: the DCP write of step_2 starts, then death
+        original = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            fut = original(self, plan, planner)
+            fut.wait() if hasattr(fut, "wait") else None
+            die()
+
+        FileSystemWriter.write_data = write_then_die
+    elif point == "commit":  # every byte and the commit marker written, rename not yet done
+        atomic._fsync_dir = die
+    smp.checkpointing.save(os.path.join(root, "step_2"), model, opt, extra={"step": 2})
+    print("not killed", flush=True)
+
+
+if __name__ == "__main__":
+    crash(sys.argv[1], sys.argv[2])
