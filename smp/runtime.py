@@ -17,6 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from smp.config import ConfigError, ConfigSource, SMPConfig, load_config
 from smp.mesh import ParallelDims, default_backend, device_type_for
+from smp.reliability.guard import stop_watchdog
+from smp.reliability.rendezvous import restart_safe_store
+from smp.reliability.timeouts import apply_collective_timeout, rendezvous_timeout
 from smp.seeding import seed_everything
 
 
@@ -141,13 +144,20 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
                 timeout=datetime.timedelta(seconds=cfg.collective_timeout_seconds),
             )
         else:
+            # Ranks may arrive minutes apart; the configured timeout is set once all are in.
+            join_timeout = rendezvous_timeout(cfg.collective_timeout_seconds)
+            # Under torchrun, a store namespaced per restart attempt (see smp/reliability/rendezvous.py).
+            store = restart_safe_store(join_timeout)
             dist.init_process_group(
                 chosen_backend,
-                timeout=datetime.timedelta(seconds=cfg.collective_timeout_seconds),
+                timeout=join_timeout,
                 device_id=device if chosen_backend == "nccl" else None,
+                **({"store": store, "rank": rank, "world_size": world_size} if store is not None else {}),
             )
 
     mesh, dp_mesh = dims.build_mesh(device_type_for(chosen_backend))
+    # Mesh sub-groups get torch's default timeout (30 min gloo), not the config's: set it.
+    apply_collective_timeout(cfg.collective_timeout_seconds, [mesh, dp_mesh], include_default=owns)
     _STATE = _State(
         config=cfg, dims=dims, mesh=mesh, dp_mesh=dp_mesh, device=device, backend=chosen_backend,
         rank=rank, world_size=world_size, local_rank=local_rank, owns_process_group=owns,
@@ -166,7 +176,9 @@ def shutdown() -> None:
     if _STATE is None:
         return
     owns = _STATE.owns_process_group
+    __import__("smp.checkpointing.sharded").checkpointing.sharded.wait_at_shutdown()  # async save commits first
     _STATE = None
+    stop_watchdog()  # smp.step_guard's thread polls the store that is about to go
     if owns and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

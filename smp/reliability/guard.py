@@ -1,0 +1,341 @@
+"""`smp.step_guard(step)`: one rank's failure stops every rank within seconds, with one message.
+
+Without help, a rank that raises mid-step and does not exit (a non-daemon thread keeps it alive,
+or the user catches the error) leaves the others blocked in their next collective until the
+process-group timeout (`collective_timeout_seconds`, 10 minutes by default); a rank that hangs
+outside a collective does the same. Gloo and NCCL cannot be interrupted from Python while a
+collective waits, so smp propagates failures through the rendezvous store instead:
+
+- the failing rank writes one failure record ("rank R failed at step S: error") to the store
+  (first writer wins) and waits briefly for the others to acknowledge it;
+- a daemon watchdog thread on every rank polls for that record and, when it appears, prints
+  "rank K stopping at step S: <record>" and exits the process with `PEER_FAILURE_EXIT_CODE`;
+- when a collective fails or times out and no rank has reported, the rank that saw it takes a
+  census: every live rank's watchdog answers with its step and where its main thread is, so the
+  record names the ranks that are gone (killed, out of memory, segfault) or stuck outside a
+  collective (a hang), rather than the innocent rank that noticed.
+
+The cost is one store read per rank every `POLL_SECONDS` (no per-step traffic).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch.distributed as dist
+
+logger = logging.getLogger("smp.reliability")
+
+# Exit status of a rank stopped because another rank failed: tells it apart, in the launcher's
+# summary, from the rank whose own error started it (that one exits with its traceback, status 1).
+PEER_FAILURE_EXIT_CODE = 3
+# Watchdog poll period: how long at most before the other ranks see a failure record.
+POLL_SECONDS = 0.5
+# How long the failing rank waits for every other rank to acknowledge its record before
+# re-raising (a rank that is dead never answers; the wait is bounded).
+ACK_TIMEOUT_SECONDS = 5.0
+# How long a census waits for answers: a few poll periods.
+CENSUS_SECONDS = 3.0
+
+# Store keys live under smp/reliability/<torchrun restart>/<process group generation>/: the
+# store can outlive a worker group (torchrun --standalone keeps it across --max-restarts), and
+# a failure record of the previous attempt must not stop the next one.
+FAILURE_KEY = "failure"
+_ACK_KEY = "acks"
+_CENSUS_KEY = "census"
+_RELEASE_KEY = "released"
+_NOT_IN_COLLECTIVE = "outside torch.distributed"
+
+
+class PeerFailure(RuntimeError):
+    """Raised on a rank whose step failed because another rank failed first."""
+
+
+class _Watch:
+    """Per-process state shared by step_guard (main thread) and the watchdog thread."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.handling = False  # the main thread is reporting its own failure
+        self.thread: threading.Thread | None = None
+        self.store: dist.Store | None = None
+        self.pg_id: int | None = None
+        self.generation = 0  # process groups watched so far in this process
+        self.stop = threading.Event()
+        self.main_ident = threading.main_thread().ident
+
+
+_WATCH = _Watch()
+
+
+def current_step() -> int | None:
+    """The step of the innermost `step_guard` this process entered, or None."""
+    return _WATCH.step
+
+
+@contextmanager
+def step_guard(step: int) -> Iterator[None]:
+    """Run one training step so that a failure on any rank stops all ranks fast.
+
+        for step in range(start, steps):
+            with smp.step_guard(step):
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step(); opt.zero_grad()
+
+    An exception inside the block is re-raised on this rank, with a note "rank R failed at
+    step S"; every other rank prints "rank K stopping at step S: rank R failed at step S: ..."
+    and exits with status `PEER_FAILURE_EXIT_CODE` within about a second. Works with any
+    torch.distributed process group (smp.init's or the user's); a no-op wrapper without one.
+    """
+    _WATCH.step = step
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _ensure_watchdog()
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except BaseException as exc:
+        _handle_failure(exc, step)
+        raise
+
+
+# ----------------------------------------------------------------------------------------------
+# Failing rank
+
+
+def _handle_failure(exc: BaseException, step: int) -> None:
+    """Report `exc` to every rank; raise PeerFailure if another rank failed first."""
+    if not dist.is_initialized():
+        _note(exc, f"smp: failed at step {step}")
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    own = f"rank {rank} failed at step {step}: {_describe(exc)}"
+    if world == 1:
+        _note(exc, "smp: " + own)
+        return
+    _ensure_watchdog()
+    _WATCH.handling = True
+    store = _WATCH.store
+    alive_others = world - 1
+    try:
+        existing = _read_record(store)
+        if existing is None and _is_collective_error(exc):
+            # A peer may be writing its own record right now: give it one poll period, then
+            # find out who is gone or stuck, so the record does not blame this rank.
+            time.sleep(POLL_SECONDS)
+            existing = _read_record(store)
+            if existing is None:
+                findings, alive_others = _census(store, rank, world, step)
+                own = (
+                    f"{findings}\n(seen by rank {rank} at step {step}: "
+                    f"a collective failed: {_describe(exc)})"
+                )
+        record = existing if existing is not None else _post_record(store, own)
+    except Exception as store_exc:  # noqa: BLE001 - the store host (rank 0 / launcher) is gone
+        message = (
+            f"{own}\n(the rendezvous store is unreachable too: {type(store_exc).__name__}; "
+            "rank 0 or the launcher has exited)"
+        )
+        _log(message)
+        _note(exc, "smp: " + message)
+        return
+    if record != own:
+        message = f"rank {rank} stopping at step {step}: {record}"
+        _log(message)
+        _acknowledge(store, rank)
+        raise PeerFailure(message) from exc
+    _log(own)
+    _note(exc, f"smp: {own} (every rank is being stopped)")
+    _wait_for_acks(store, alive_others)
+
+
+def _post_record(store: dist.Store, record: str) -> str:
+    """Write the failure record unless one exists; return the record that won."""
+    return store.compare_set(FAILURE_KEY, "", record).decode()
+
+
+def _read_record(store: dist.Store) -> str | None:
+    if store.check([FAILURE_KEY]):
+        return store.get(FAILURE_KEY).decode()
+    return None
+
+
+def _wait_for_acks(store: dist.Store, expected: int) -> None:
+    deadline = time.monotonic() + ACK_TIMEOUT_SECONDS
+    try:
+        while time.monotonic() < deadline and store.add(_ACK_KEY, 0) < expected:
+            time.sleep(0.05)
+        store.set(_RELEASE_KEY, "1")
+    except Exception:  # noqa: BLE001 - the store went away: nobody left to tell
+        pass
+
+
+def _acknowledge(store: dist.Store, rank: int) -> None:
+    try:
+        store.add(_ACK_KEY, 1)
+        if rank == 0:
+            # Rank 0 usually hosts the store: stay until the failing rank has counted the
+            # acknowledgements, or its own store calls fail (noisily) when this process exits.
+            _wait_for_key(store, _RELEASE_KEY, ACK_TIMEOUT_SECONDS)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _wait_for_key(store: dist.Store, key: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not store.check([key]):
+        time.sleep(0.05)
+
+
+def _census(store: dist.Store, rank: int, world: int, step: int) -> tuple[str, int]:
+    """Ask every other rank's watchdog where it is; name the ranks that are gone or not in a collective."""
+    store.set(_CENSUS_KEY, str(rank))
+    others = [r for r in range(world) if r != rank]
+    deadline = time.monotonic() + CENSUS_SECONDS
+    answers: dict[int, str] = {}
+    while time.monotonic() < deadline and len(answers) < len(others):
+        for r in others:
+            key = f"{_CENSUS_KEY}/{r}"
+            if r not in answers and store.check([key]):
+                answers[r] = store.get(key).decode()
+        time.sleep(0.05)
+    gone = [r for r in others if r not in answers]
+    stuck = {r: a for r, a in answers.items() if _NOT_IN_COLLECTIVE in a}
+    lines = []
+    if gone:
+        lines.append(
+            f"rank(s) {gone} did not answer: they died without a Python error (killed, out of "
+            f"memory, segfault, os._exit) around step {step}; the launcher's log has their exit status"
+        )
+    for r, where in sorted(stuck.items()):
+        lines.append(f"rank {r} is not in a collective (hung?): {where}")
+    if not lines:
+        lines.append(
+            "every rank answered from inside torch.distributed: the ranks ran different "
+            "collectives (a rank-dependent branch in the training step?)"
+        )
+    return "\n".join(lines), len(answers)
+
+
+# ----------------------------------------------------------------------------------------------
+# Watchdog (every rank)
+
+
+def _ensure_watchdog() -> None:
+    pg = dist.group.WORLD
+    if _WATCH.pg_id == id(pg):
+        return  # watching this group already (or its store is gone: nothing to restart)
+    stop_watchdog()
+    _WATCH.generation += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"smp/reliability/{restart}/{_WATCH.generation}/"
+    _WATCH.store = dist.PrefixStore(prefix, _default_store())
+    _WATCH.pg_id = id(pg)
+    _WATCH.handling = False
+    _WATCH.stop = threading.Event()
+    _WATCH.thread = threading.Thread(
+        target=_watch, args=(_WATCH.store, dist.get_rank(), _WATCH.stop), name="smp-watchdog", daemon=True
+    )
+    _WATCH.thread.start()
+
+
+def stop_watchdog() -> None:
+    """Stop this process's watchdog (smp.shutdown calls it before the process group goes)."""
+    _WATCH.stop.set()
+    thread, _WATCH.thread = _WATCH.thread, None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=5 * POLL_SECONDS)
+    _WATCH.store, _WATCH.pg_id = None, None
+
+
+atexit.register(stop_watchdog)  # never leave it inside a store call during interpreter teardown
+
+
+def _watch(store: dist.Store, rank: int, stop: threading.Event) -> None:
+    answered_census = False
+    while not stop.is_set():
+        try:
+            if not answered_census and store.check([_CENSUS_KEY]):
+                store.set(f"{_CENSUS_KEY}/{rank}", _where_is_main())
+                answered_census = True
+            if not _WATCH.handling and store.check([FAILURE_KEY]):
+                record = store.get(FAILURE_KEY).decode()
+                _acknowledge(store, rank)
+                _stop_process(f"rank {rank} stopping at step {_WATCH.step}: {record}")
+        except Exception:  # noqa: BLE001
+            # The store is gone: a normal shutdown on rank 0, or the launcher exited. Either way
+            # the collectives themselves now fail fast; nothing left to watch.
+            return
+        stop.wait(POLL_SECONDS)
+
+
+def _stop_process(message: str) -> None:
+    _log(message)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    # The main thread may be blocked inside a collective that Python cannot interrupt.
+    os._exit(PEER_FAILURE_EXIT_CODE)
+
+
+def _where_is_main() -> str:
+    frame = sys._current_frames().get(_WATCH.main_ident)
+    step = f"step {_WATCH.step}"
+    if frame is None:
+        return f"{step}, main thread finished"
+    in_collective = False
+    innermost_user = None
+    f = frame
+    while f is not None:
+        filename = f.f_code.co_filename
+        if f"torch{os.sep}distributed" in filename:
+            in_collective = True
+        elif innermost_user is None and f"{os.sep}torch{os.sep}" not in filename:
+            innermost_user = f"{filename}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    state = "in torch.distributed" if in_collective else _NOT_IN_COLLECTIVE
+    return f"{step}, {state}, at {innermost_user}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _default_store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset", "Timed out")
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line[:500]}"
+
+
+def _note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+def _log(message: str) -> None:
+    # stderr directly as well as logging: the user may not have configured logging, and this
+    # line is the one they need to find in a wall of tracebacks.
+    print(f"[smp] {message}", file=sys.stderr, flush=True)
+    logger.debug(message)

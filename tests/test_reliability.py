@@ -1,0 +1,374 @@
+"""Reliability: failing ranks stop every rank fast; non-finite gradients are found and agreed on.
+
+Multi-process failure cases cannot use the shared rank pool (they kill processes), so each
+launches its own ranks (`_launch`: one Python process per rank, or torchrun for restarts) with
+a hard deadline, and kills the whole process group of every rank on failure. Each launch
+costs ~5-10 s of start-up on 2 cores, hence @slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+import smp
+from smp.reliability import PEER_FAILURE_EXIT_CODE
+from smp.testing.models import TinyTransformer
+from tests import reliability_cases
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "reliability_worker.py")
+# Wall-clock bound for one launch: start-up (~10 s per rank on a loaded 2-core machine) plus
+# the failure handling (< 10 s). Far below the default 600 s collective timeout a hang would hit.
+DEADLINE = 150.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+    env.pop("SMP_CONFIG", None)
+    return env
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float) -> tuple[list[int | None], float]:
+    """Exit codes (None: killed at the deadline) and the seconds until the last one exited."""
+    start = time.monotonic()
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() - start < deadline:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - start
+        codes = [p.poll() for p in procs]
+    finally:
+        for p in procs:  # never leave a rank behind, whatever happened above
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait(timeout=30)
+    return codes, elapsed
+
+
+def _launch(world: int, args: list[str], tmp_path: Path, deadline: float = DEADLINE):
+    """One process per rank, as torchrun would start them, but with no agent that kills the
+    others: what stops them here is smp (or the collective timeout)."""
+    port = _free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        log = tmp_path / f"rank{rank}.log"
+        logs.append(log)
+        env = _env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, WORKER, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: killpg reaches its children
+            ))
+    codes, elapsed = _wait_all(procs, deadline)
+    return codes, [log.read_text() for log in logs], elapsed
+
+
+def _torchrun(args: list[str], tmp_path: Path, nproc: int = 2, max_restarts: int = 0):
+    log = tmp_path / "torchrun.log"
+    # --standalone: a c10d rendezvous on localhost. Its store outlives a restart; without
+    # smp.init's per-attempt namespace (smp/reliability/rendezvous.py) the restarted gloo group
+    # read the dead attempt's addresses and failed ("connectFullMesh ... Connection refused").
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(max_restarts), WORKER, *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    (code,), elapsed = _wait_all([proc], DEADLINE * 2)
+    return code, log.read_text(), elapsed
+
+
+def _explain(codes, outputs) -> str:
+    return "\n".join(f"--- rank {r} exit {c}\n{o[-3000:]}" for r, (c, o) in enumerate(zip(codes, outputs)))
+
+
+# ----------------------------------------------------------------------------------------------
+# A rank that raises, dies or hangs mid-step
+
+
+@pytest.mark.slow
+def test_rank_raising_mid_step_stops_every_rank(tmp_path):
+    # collective_timeout_seconds stays large: what stops rank 0 is step_guard, not the timeout.
+    codes, outputs, elapsed = _launch(2, ["--mode", "raise", "--fail-step", "2", "--timeout", "300"], tmp_path)
+    assert None not in codes, "a rank was still running at the deadline:\n" + _explain(codes, outputs)
+    assert codes[1] == 1 and codes[0] == PEER_FAILURE_EXIT_CODE, _explain(codes, outputs)
+    assert "rank 1 failed at step 2: ValueError: injected failure" in outputs[1]
+    assert "rank 0 stopping at step 2: rank 1 failed at step 2: ValueError" in outputs[0]
+    assert "rank 0 attempt 0 step 2" not in outputs[0]  # it stopped in that step, not after it
+    assert elapsed < DEADLINE
+
+
+@pytest.mark.slow
+def test_rank_dying_mid_step_is_named(tmp_path):
+    """os._exit: no Python error, no chance to report; the survivors' census names it."""
+    codes, outputs, elapsed = _launch(2, ["--mode", "exit", "--fail-step", "1", "--timeout", "300"], tmp_path)
+    assert None not in codes, _explain(codes, outputs)
+    assert codes[1] == 7 and codes[0] not in (0, None), _explain(codes, outputs)
+    assert "rank(s) [1] did not answer" in outputs[0] and "around step 1" in outputs[0], outputs[0]
+
+
+@pytest.mark.slow
+def test_hung_rank_is_bounded_by_the_config_timeout(tmp_path):
+    """Rank 1 sleeps mid-step. Rank 0's collective times out after `collective_timeout_seconds`
+    (8 s here, from the config smp.init reads; short, but long enough that a CPU-starved
+    rank is not taken for a hung one before the injected hang), the census finds rank 1 outside any collective,
+    and rank 1's watchdog stops it. With the default 600 s timeout this would outlive DEADLINE."""
+    codes, outputs, elapsed = _launch(2, ["--mode", "hang", "--fail-step", "1", "--timeout", "8"], tmp_path)
+    assert None not in codes, "a rank was still running at the deadline:\n" + _explain(codes, outputs)
+    assert codes[0] == 1 and codes[1] == PEER_FAILURE_EXIT_CODE, _explain(codes, outputs)
+    assert "Timed out waiting 8000ms" in outputs[0], outputs[0]
+    assert "rank 1 is not in a collective (hung?): step 1" in outputs[0], outputs[0]
+    assert "reliability_worker.py" in outputs[0]  # where rank 1's main thread was
+    assert "rank 1 stopping at step 1" in outputs[1], outputs[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# torchrun --max-restarts resumes from the latest complete checkpoint
+
+
+def _losses(text: str, attempt: int) -> dict[int, str]:
+    """Rank 0's printed losses of one attempt: {step: "x.xxxxxx"} (ranks' lines may interleave)."""
+    found = re.findall(r"rank 0 attempt (\d+) step (\d+) loss (\d+\.\d{6})", text)
+    return {int(step): loss for a, step, loss in found if int(a) == attempt}
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_from_latest_complete_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    # Debris of an earlier crash that must never be taken for a checkpoint: a partial save and
+    # a directory with a newer name but no commit marker.
+    (ckpt / ".step_00099.partial").mkdir()
+    (ckpt / "step_00098").mkdir()
+    (ckpt / "step_00098" / "smp_meta.json").write_text("{}")
+    args = ["--mode", "raise", "--fail-step", "2", "--steps", "4", "--ckpt", str(ckpt)]
+    code, text, _ = _torchrun(args, tmp_path, max_restarts=1)
+    assert code == 0, text[-6000:]
+    assert "rank 1 failed at step 2" in text  # the first attempt did fail
+    assert "rank 0 attempt 1 resumed from step_00001 step 1" in text, text[-6000:]
+    resumed = _losses(text, attempt=1)
+    assert sorted(resumed) == [2, 3], text[-6000:]  # steps 0-1 were not redone
+
+    # The resumed run is the uninterrupted run: same losses, to the printed digit. The clean run
+    # also shows that the watchdog never fires on a normal run or on its shutdown.
+    codes, outputs, _ = _launch(2, ["--mode", "ok", "--steps", "4"], tmp_path)
+    assert codes == [0, 0] and all("[smp]" not in o for o in outputs), _explain(codes, outputs)
+    clean = _losses(outputs[0], attempt=0)
+    assert resumed == {s: clean[s] for s in (2, 3)}, (resumed, clean)
+
+
+# ----------------------------------------------------------------------------------------------
+# step_guard in one process
+
+
+def test_step_guard_single_process_notes_the_step():
+    with pytest.raises(ZeroDivisionError) as err:
+        with smp.step_guard(5):
+            1 / 0
+    assert "failed at step 5" in "".join(getattr(err.value, "__notes__", []))
+    assert smp.reliability.current_step() == 5
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite gradients
+
+
+def _model_with_grads(seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyTransformer(vocab=64, dim=32, hidden=64, layers=2)
+    ids = torch.randint(0, 64, (2, 16))
+    model(ids, labels=ids).backward()
+    return model
+
+
+def test_finite_grads_pass():
+    assert smp.check_finite_grads(_model_with_grads(), step=0) is True
+
+
+def test_nan_names_step_parameter_and_module():
+    model = _model_with_grads()
+    model.layers[1].up.weight.grad[3, 4] = float("nan")
+    model.head.weight.grad[0, 0] = float("inf")
+    with pytest.raises(smp.NonFiniteGradientError) as err:
+        smp.check_finite_grads(model, step=42)
+    e = err.value
+    assert e.step == 42 and e.parameters == ["layers.1.up.weight", "head.weight"]
+    assert e.modules == ["layers.1.up", "head"]
+    assert "at step 42" in str(e) and "layers.1.up.weight (nan)" in str(e) and "head.weight (inf)" in str(e)
+
+
+def test_skip_drops_grads_so_the_step_is_a_no_op():
+    model = _model_with_grads()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model.norm.weight.grad[0] = float("-inf")
+    with pytest.warns(smp.reliability.NonFiniteGradientWarning, match="step 3 .*norm.weight"):
+        assert smp.check_finite_grads(model, step=3, action="skip") is False
+    opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_warn_keeps_grads():
+    model = _model_with_grads()
+    model.embed.weight.grad[1, 1] = float("nan")
+    with pytest.warns(smp.reliability.NonFiniteGradientWarning, match="embed.weight"):
+        assert smp.check_finite_grads(model, step=1, action="warn") is False
+    assert model.embed.weight.grad is not None and model.embed.weight.grad.isnan().any()
+
+
+def test_bad_action_is_an_error():
+    with pytest.raises(ValueError, match="action must be one of"):
+        smp.check_finite_grads(_model_with_grads(), action="ignore")
+
+
+@pytest.mark.parametrize("action", ["raise", "skip"])
+def test_nonfinite_on_one_rank_is_seen_by_all(ranks, action):
+    """FSDP: the NaN is in rank 1's shard only; both ranks report it and decide alike."""
+    results = ranks(2).run(reliability_cases.nonfinite_on_one_rank, 1, "layers.0.down.weight", action)
+    if action == "raise":
+        for r in results:
+            assert r["parameters"] == ["layers.0.down.weight"] and r["modules"] == ["layers.0.down"]
+            assert "at step 7" in r["error"]
+        assert results[0]["error"] == results[1]["error"]
+    else:
+        for r in results:
+            assert r["ok"] is False and r["grads_dropped"] and r["unchanged"], r
+            assert any("layers.0.down.weight" in w for w in r["warnings"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Collective timeouts reach every mesh group
+
+
+def test_config_timeout_reaches_every_mesh_group(ranks):
+    """torch gives mesh sub-groups its own default (30 min on gloo), not init_process_group's;
+    smp.init sets collective_timeout_seconds on each. The pool owns the default group (90 s),
+    so a dim that reuses it keeps the pool's value."""
+    config = {"hybrid_shard_degree": 2, "collective_timeout_seconds": 17}
+    for per_rank in ranks(4).run(reliability_cases.mesh_group_timeouts, config):
+        assert set(per_rank) == {"dp_replicate", "dp_shard", "tp", "dp"}
+        for name, (seconds, is_default) in per_rank.items():
+            assert seconds == (90.0 if is_default else 17.0), (name, seconds, is_default)
+        assert not per_rank["dp_shard"][1] and not per_rank["dp_replicate"][1]  # real sub-groups
+
+
+# ----------------------------------------------------------------------------------------------
+# Crash during save (SIGKILL), and checkpoint / model mismatches
+
+
+@pytest.mark.slow
+def test_save_killed_at_any_point_leaves_the_previous_checkpoint_latest(tmp_path):
+    """5 kills at named phases of the save (before shards, before metadata, before the commit
+    marker, before the rename, while deleting old ones under keep_last) and 30 at random times;
+    after each, latest() is a committed checkpoint holding exactly its step's values, partial
+    directories are refused by load(). See tests/reliability_crash_trials.py."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "tests.reliability_crash_trials", str(tmp_path), "--trials", "30"],
+        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE * 2,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trials = json.loads(proc.stdout.strip().splitlines()[-1])["trials"]
+    bad = [t for t in trials if not t["ok"]]
+    assert not bad, bad
+    by_phase = {t["phase"]: t for t in trials if t["phase"]}
+    last_complete = trials[0]["step"] - 1  # saved in full before the trials
+    for phase in ("before_shards", "before_meta", "before_commit_marker", "before_rename"):
+        t = by_phase[phase]  # killed before the commit: the last complete checkpoint stays latest
+        assert t["outcome"] == "killed" and t["claimed"] == last_complete, t
+    assert by_phase["during_keep_last"]["claimed"] == by_phase["during_keep_last"]["step"]
+    # The random kills really hit saves in flight (how many depends on the machine's load).
+    random_mid_save = [t for t in trials if t["delay"] is not None and t["outcome"] == "killed"
+                       and t["claimed"] != t["step"]]
+    assert len(random_mid_save) >= 2, trials
+
+
+def _tiny(**kw):
+    torch.manual_seed(0)
+    return TinyTransformer(**{"vocab": 32, "dim": 16, "hidden": 32, "layers": 2, **kw})
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = _tiny()
+    path = tmp_path / "step_1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        smp.checkpointing.save(path, model, extra={"step": 1})
+    return path
+
+
+def test_model_changed_between_save_and_load_is_named(saved):
+    with pytest.raises(smp.checkpointing.CheckpointError) as err:
+        smp.checkpointing.load(saved, _tiny(dim=32))  # wider model: every shape differs
+    assert "shape mismatches" in str(err.value) and "embed.weight" in str(err.value)
+    with pytest.raises(smp.checkpointing.CheckpointError) as err:
+        smp.checkpointing.load(saved, _tiny(layers=3))  # deeper model: keys missing
+    assert "missing keys" in str(err.value) and "layers.2." in str(err.value)
+    with pytest.raises(smp.checkpointing.CheckpointError, match="holds no optimizer state"):
+        model = _tiny()
+        smp.checkpointing.load(saved, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_versions_are_recorded_and_a_torch_change_is_reported(saved, caplog):
+    meta_path = saved / "smp_meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["smp_version"] == smp.__version__ and meta["torch_version"] == torch.__version__
+    assert meta["world_size"] == 1 and "fingerprint" in meta
+    meta["torch_version"] = "1.0.0"
+    meta_path.write_text(json.dumps(meta))
+    with caplog.at_level("WARNING"):
+        smp.checkpointing.load(saved, _tiny())
+    assert "saved with torch 1.0.0" in caplog.text
+
+
+@pytest.mark.xfail(reason="known gap, reported to checkpointing: the optimizer's type is not in "
+                   "smp_meta.json, so SGD -> AdamW fails inside DCP ('Missing key ... step')",
+                   raises=(RuntimeError, CheckpointException), strict=False)
+def test_optimizer_changed_between_save_and_load_is_named(tmp_path):
+    model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ids = torch.randint(0, 32, (2, 8))
+    model(ids, labels=ids).backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        smp.checkpointing.save(tmp_path / "s", model, opt)
+    other = _tiny()
+    with pytest.raises(smp.checkpointing.CheckpointError, match="optimizer"):
+        smp.checkpointing.load(tmp_path / "s", other, torch.optim.AdamW(other.parameters()))
+
+
+def test_trace_finds_the_first_module_with_a_nonfinite_output():
+    model = _model_with_grads()
+    ids = torch.randint(0, 64, (2, 16))
+    with smp.reliability.trace_nonfinite_forward(model) as trace:
+        model(ids, labels=ids)
+    assert trace.first is None  # a clean forward
+    with torch.no_grad():
+        model.layers[1].up.weight[0, 0] = float("nan")
+    with smp.reliability.trace_nonfinite_forward(model) as trace:
+        model(ids, labels=ids)
+    # layers.1.up completes before its parents (layers.1, the root), which are NaN too.
+    assert (trace.first, trace.kind) == ("layers.1.up", "nan")
+    assert not model.layers[1].up._forward_hooks  # hooks removed
