@@ -1,0 +1,43 @@
+"""Rank-side cases for test_planning: a real multi-rank run whose per-rank bytes the plan predicts."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import smp
+from smp.testing.models import random_batch, tiny_llama
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = _local(t).untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def measured_bytes(config: dict, seq_len: int = 16, batch: int = 2) -> dict[str, int]:
+    """Train the tiny Llama one AdamW step under `config`; this rank's parameter, gradient and
+    optimizer-state bytes as allocated (distinct storages, FSDP padding included)."""
+    smp.init(config)
+    try:
+        torch.manual_seed(0)
+        model = smp.transform(tiny_llama())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = random_batch(batch, seq_len, 256, seed=smp.state.rank)
+        smp.gradient_sync_bytes(reset=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        sync = smp.gradient_sync_bytes(reset=True)  # per collective, counted by smp_collectives
+        grads = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        opt.step()
+        params = _storage_bytes(model.parameters())
+        states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"params": params, "grads": grads, "optimizer": _storage_bytes(states), "sync": sync}
+    finally:
+        smp.shutdown()
