@@ -3,7 +3,10 @@
 from smp.config import ConfigError, SMPConfig, load_config
 from smp.runtime import init, is_initialized, shutdown, state
 from smp.training import clip_grad_norm_, no_sync
+from smp.sharding.gradient_sync import gradient_sync_bytes  # bytes sent per rank (smp_collectives)
 from smp.transform import transform
+from smp.reliability import NonFiniteGradientError, PeerFailure, check_finite_grads, step_guard
+from smp import checkpointing  # noqa: E402  smp.checkpointing.save / load / latest / export_hf
 
 __version__ = "0.1.0"
 

@@ -48,11 +48,17 @@ class MixedPrecisionConfig(_Strict):
 
 
 class ActivationCheckpointingConfig(_Strict):
+    # none: keep every activation (fastest, most memory). full: keep only each block's input and
+    # recompute the block in backward (least memory, ~1 extra forward). selective: keep the
+    # outputs of the ops in `save_ops`, recompute the rest (cheap pointwise ops and norms: a
+    # small Llama keeps ~0.58 of `none` and re-runs no matmul; see BENCHMARKS.md).
     mode: Literal["none", "full", "selective"] = "none"
-    # Checkpoint every n-th block in "full" mode: 1 = all blocks (least memory, most recompute).
+    # Checkpoint every n-th block (blocks 0, n, 2n, ...): 1 = all blocks (least memory, most
+    # recompute); larger trades memory back for speed.
     every_n_layers: int = Field(default=1, ge=1)
-    # Ops whose outputs selective checkpointing saves; everything else is recomputed.
-    # Matmuls and attention are expensive to recompute and cheap to keep relative to their cost.
+    # Ops whose outputs selective checkpointing saves ("namespace.op" or "namespace.op.overload");
+    # everything else is recomputed. Matmuls and attention are expensive to recompute and cheap
+    # to keep relative to their cost; a reduce-scatter is saved so recompute never re-runs it.
     save_ops: list[str] = [
         "aten.mm",
         "aten.addmm",
@@ -60,24 +66,53 @@ class ActivationCheckpointingConfig(_Strict):
         "aten._scaled_dot_product_flash_attention",
         "aten._scaled_dot_product_efficient_attention",
         "aten._scaled_dot_product_cudnn_attention",
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "_c10d_functional.reduce_scatter_tensor",
     ]
+
+    @field_validator("save_ops")
+    @classmethod
+    def _ops_exist(cls, value: list[str]) -> list[str]:
+        from smp.activations.ops import resolve_op  # torch is imported only when ops are named
+
+        for name in value:
+            resolve_op(name)  # raises ValueError naming the op and how to spell it
+        return value
 
 
 class GradientSyncConfig(_Strict):
     # default: the process group's own collectives (NCCL / gloo). The others dispatch to
     # smp_collectives (kernels/): ring is the reference; int8/fp8 cut bytes ~4x at a bounded error.
     algorithm: Literal["default", "ring", "int8", "fp8"] = "default"
+    # Lossy algorithms only: carry each step's quantisation error into the next step's gradient,
+    # so no update is lost, only delayed (costs one fp32 gradient-sized buffer per module).
     error_feedback: bool = True
-    cross_replica: Literal["default", "int8", "fp8"] = "default"
-    # Block size for quantisation scales: smaller = tighter error, more scale bytes (4 B / block).
+    # Hybrid sharding only (ignored without replicas): sync replicas through smp's all-reduce
+    # hook instead of native HSDP. int8/fp8 compress just that (inter-node) hop; ring sends it
+    # uncompressed (equals native HSDP; the reference).
+    cross_replica: Literal["default", "ring", "int8", "fp8"] = "default"
+    # Block size for quantisation scales: smaller = tighter error, more scale bytes (4 B / block:
+    # 256 -> int8 sends 0.254x the fp32 bytes). A power of two (Triton tiles need one).
     block_size: int = Field(default=256, ge=16)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"gradient_sync.block_size must be a power of two (e.g. 256), got {value}")
+        return value
 
 
 class TensorParallelConfig(_Strict):
+    # Norms (and dropout) between attention/MLP run on a 1/tp slice of the sequence: activations
+    # there shrink by tp, for an all-gather + reduce-scatter in place of each all-reduce.
     sequence_parallel: bool = False
+    # The LM head keeps its logits vocab-sharded and cross-entropy runs on the shards (compute
+    # the loss and call backward inside `smp.tensor_parallel.loss_parallel()`).
     loss_parallel: bool = False
-    # Module-name pattern -> style ("colwise", "rowwise", "sequence_parallel", "embedding_rowwise",
-    # "colwise_rep", ...). Overrides the model's own plan when given.
+    # Module-name pattern ("layers.*.mlp.up_proj") -> style name (smp.tensor_parallel.STYLE_NAMES:
+    # "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "packed_qkv_colwise",
+    # ...). Overrides the model's own plan; `smp.transform(model, tp_plan=...)` overrides this.
     plan: dict[str, str] | None = None
 
 
@@ -95,6 +130,9 @@ class SMPConfig(_Strict):
     # How many layers' offloaded activations are brought back ahead of backward. Larger hides
     # more copy latency, costs horizon x (one layer's activations) of device memory.
     activation_loading_horizon: int = Field(default=2, ge=1)
+    # Saved tensors smaller than this stay on the device: their copy costs more in launch
+    # latency than it frees (norm statistics, masks). Lower it for tiny models and tests.
+    activation_offload_min_bytes: int = Field(default=1 << 20, ge=0)
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
 
     # --- misc SMP v2 keys ---
@@ -124,7 +162,8 @@ class SMPConfig(_Strict):
     backend: Literal["nccl", "gloo"] | None = None
     # Collective timeout: a rank that dies mid-step makes the others fail after this long
     # instead of hanging forever.
-    collective_timeout_seconds: float = Field(default=600.0, gt=0)
+    # Bounded above (about 31 years): torch turns it into a timedelta, which inf would overflow.
+    collective_timeout_seconds: float = Field(default=600.0, gt=0, le=1e9)
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod
@@ -189,7 +228,7 @@ def _submodel_at(loc: tuple[Any, ...]) -> type[BaseModel]:
 
 def _format_error(err: dict[str, Any]) -> str:
     loc = tuple(p for p in err["loc"] if not str(p).startswith(("function-", "literal")))
-    key = ".".join(str(p) for p in loc) or "<config>"
+    key = ".".join(str(p) for p in loc) if loc else "<config>"
     if err["type"] == "extra_forbidden":
         parent, name = loc[:-1], str(loc[-1])
         close = difflib.get_close_matches(name, _known_keys(_submodel_at(parent)), n=1, cutoff=0.5)
