@@ -1,19 +1,24 @@
 """smp: PyTorch-native model parallelism (FSDP2, hybrid sharding, ...) from one config file."""
 
+from smp import checkpointing  # smp.checkpointing.save / load / latest / export_hf / load_hf
 from smp.config import ConfigError, SMPConfig, load_config
-from smp.runtime import init, is_initialized, shutdown, state
-from smp.training import clip_grad_norm_, no_sync
-from smp.sharding.gradient_sync import gradient_sync_bytes  # bytes sent per rank (smp_collectives)
-from smp.transform import transform
 from smp.reliability import NonFiniteGradientError, PeerFailure, check_finite_grads, step_guard
-from smp import checkpointing  # noqa: E402  smp.checkpointing.save / load / latest / export_hf
+from smp.runtime import init, is_initialized, shutdown, state
+from smp.sharding.gradient_sync import gradient_sync_bytes  # bytes sent per rank (smp_collectives)
+from smp.training import clip_grad_norm_, no_sync
+from smp.transform import transform
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "NonFiniteGradientError",
+    "PeerFailure",
     "SMPConfig",
+    "check_finite_grads",
+    "checkpointing",
     "clip_grad_norm_",
+    "gradient_sync_bytes",
     "init",
     "init_context",
     "is_initialized",
@@ -21,6 +26,7 @@ __all__ = [
     "no_sync",
     "shutdown",
     "state",
+    "step_guard",
     "transform",
 ]
 

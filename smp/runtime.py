@@ -176,7 +176,9 @@ def shutdown() -> None:
     if _STATE is None:
         return
     owns = _STATE.owns_process_group
-    __import__("smp.checkpointing.sharded").checkpointing.sharded.wait_at_shutdown()  # async save commits first
+    from smp.checkpointing.sharded import wait_at_shutdown  # local: checkpointing imports runtime
+
+    wait_at_shutdown()  # a pending async save commits before the process group goes
     _STATE = None
     stop_watchdog()  # smp.step_guard's thread polls the store that is about to go
     if owns and dist.is_initialized():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -19,8 +20,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients by their global norm across every shard and TP rank; returns the norm.
 
-    Sharded (DTensor) gradients contribute their local part, summed over the mesh they are
-    sharded on; replicated ones count once. Equal to `torch.nn.utils.clip_grad_norm_` on the
+    Sharded (DTensor) gradients contribute their local part, summed over the mesh dims they
+    are sharded on; replicated ones count once. Equal to `torch.nn.utils.clip_grad_norm_` on the
     unsharded model.
     """
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
@@ -28,20 +29,39 @@ def clip_grad_norm_(
     if not grads:
         return torch.tensor(0.0)
     norm_type = float(norm_type)
-    # DTensor's norm reduces over its mesh (partial -> full); group per mesh/placement to batch.
-    norms = []
+    is_max = math.isinf(norm_type)
+    # One reduction per (mesh, placements) group instead of one collective per parameter:
+    # each group's local sum of |g|^p (or max) is all-reduced over the mesh dims it is sharded on.
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    totals = []
     for g in grads:
-        n = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    stacked = torch.stack([n.to(norms[0].device) for n in norms])
-    if math.isinf(norm_type):
-        total = stacked.max()
-    else:
-        total = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            # A pending (partial) sum: norms of the parts are not the norm of the sum.
+            totals.append(_reduce_local(torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).full_tensor(), norm_type))
+        elif isinstance(g, DTensor):
+            groups[(g.device_mesh, tuple(g.placements))].append(g.to_local())
+        else:
+            groups[()].append(g)
+    for key, tensors in groups.items():
+        local = _reduce_local(torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in tensors]), norm_type)
+        if key:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if not placement.is_replicate():  # Shard or _StridedShard (FSDP over TP)
+                    op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+                    dist.all_reduce(local, op=op, group=mesh.get_group(dim))
+        totals.append(local)
+    stacked = torch.stack([t.to(totals[0].device) for t in totals])
+    total = stacked.max() if is_max else stacked.sum().pow(1.0 / norm_type)
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(clip_coef.to(g.device))
     return total
+
+
+def _reduce_local(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """Combine per-tensor norms into max (inf-norm) or the sum of p-th powers."""
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
 @contextmanager
