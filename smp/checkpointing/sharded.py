@@ -157,6 +157,7 @@ def save(
     state = _state_dicts(model, optimizer)
     meta = metadata.build(metadata.tensor_shapes(state["model"]), optimizer is not None, "sharded")
     meta["optimizer_fresh"] = fresh_optimizer
+    meta["optimizer_class"] = type(optimizer).__name__ if optimizer is not None else None
     tmp = _agree_on_tmp(path)
     try:
         _write_extra(tmp, extra)
@@ -239,9 +240,15 @@ def _check_directory(path: str) -> dict[str, Any]:
             f"pass a directory written by smp.checkpointing.save (export_hf folders load with load_hf)"
         )
     meta = metadata.read(path)
-    if meta.get("torch_version") != torch.__version__ and _rank() == 0:
-        log.warning("smp.checkpointing.load: %r was saved with torch %s, this is torch %s",
-                    path, meta.get("torch_version"), torch.__version__)
+    import smp
+
+    for name, saved, running in (
+        ("torch", meta.get("torch_version"), torch.__version__),
+        ("smp", meta.get("smp_version"), smp.__version__),
+    ):
+        if saved != running and _rank() == 0:
+            log.warning("smp.checkpointing.load: %r was saved with %s %s, this is %s %s",
+                        path, name, saved, name, running)
     if meta.get("kind") != "sharded":
         raise CheckpointError(f"{path!r} is an smp {meta.get('kind')!r} export; load it with smp.checkpointing.load_hf")
     return meta
@@ -269,6 +276,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         raise CheckpointError(
             f"checkpoint {path!r} holds no optimizer state (saved without one); "
             f"call load(path, model) and start the optimizer fresh"
+        )
+    saved_class = meta.get("optimizer_class")
+    if optimizer is not None and saved_class and saved_class != type(optimizer).__name__:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds {saved_class} optimizer state, but a "
+            f"{type(optimizer).__name__} optimizer was passed; build the optimizer the run was "
+            f"saved with, or call load(path, model) and start the new optimizer fresh"
         )
     state = _state_dicts(model, optimizer)
     dcp.load(state, checkpoint_id=path, no_dist=not _dist())
