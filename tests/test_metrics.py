@@ -94,3 +94,18 @@ def test_writer_jsonl_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = metrics.plot(records, tmp_path / "m.png")
     assert png and (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_writer_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    w = metrics.MetricsWriter(tmp_path)
+    assert w.tensorboard_enabled
+    for step in range(1, 4):
+        w.write(step, {"loss": 4.0 - step, "mfu": None, "lr": 1e-3})
+    w.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert "mfu" not in events.Tags()["scalars"]  # unknown values are left out, not written as 0
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 3.0), (2, 2.0), (3, 1.0)]
