@@ -137,10 +137,15 @@ def peak_memory_bytes(device: torch.device | str) -> dict[str, int]:
     return {"peak_rss": int(rss if sys.platform == "darwin" else rss * 1024)}
 
 
-def gather_per_rank(value: float, device: torch.device | str = "cpu") -> list[float]:
-    """Every rank's value of a scalar, on every rank (rank order)."""
+def gather_per_rank(value: float, device: torch.device | str | None = None) -> list[float]:
+    """Every rank's value of a scalar, on every rank (rank order). `device` defaults to smp's
+    (an NCCL group has no CPU backend)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [float(value)]
+    if device is None:
+        from smp import runtime
+
+        device = runtime.current().device if runtime.is_initialized() else "cpu"
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
@@ -201,8 +206,11 @@ class MetricsWriter:
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        # A NaN loss or inf grad norm is exactly when the log matters: write it as null
+        # (blank, like an unknown MFU) rather than fail the run.
+        # Unknown values (MFU on a CPU) are null too: blank, not zero.
+        values = {k: _finite_or_none(v) for k, v in values.items()}
         record = {"step": step, "time": time.time(), **values}
-        # Unknown values (MFU on a CPU) are written as null: blank, not zero.
         self._file.write(json.dumps(record, default=_json_default, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -217,6 +225,14 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _json_default(value: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -36,8 +37,8 @@ class _State:
     local_rank: int
     owns_process_group: bool  # smp created it, so smp destroys it
 
-    # Coordinates on the mesh, derived once.
-    @property
+    # Coordinates on the mesh, derived once (training loops read them every step).
+    @cached_property
     def dp_rank(self) -> int:
         return self.dp_mesh.get_local_rank()
 
@@ -45,7 +46,7 @@ class _State:
     def dp_size(self) -> int:
         return self.dims.dp
 
-    @property
+    @cached_property
     def tp_rank(self) -> int:
         return self.mesh["tp"].get_local_rank()
 
@@ -53,11 +54,11 @@ class _State:
     def tp_size(self) -> int:
         return self.dims.tp
 
-    @property
+    @cached_property
     def dp_shard_rank(self) -> int:
         return self.mesh["dp_shard"].get_local_rank()
 
-    @property
+    @cached_property
     def dp_replicate_rank(self) -> int:
         return self.mesh["dp_replicate"].get_local_rank()
 

@@ -82,8 +82,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 
 def all_reduce_mean(value: float | torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
-    """Average a scalar (e.g. the loss, for logging) over the data-parallel ranks."""
-    t = torch.as_tensor(value, dtype=torch.float64).detach().cpu()
+    """Average a scalar (e.g. the loss, for logging) over the ranks of `group` (default: all).
+
+    The tensor lives on smp's device: an NCCL group has no CPU backend.
+    """
+    from smp import runtime
+
+    device = runtime.current().device if runtime.is_initialized() else "cpu"
+    t = torch.as_tensor(value).detach().to(device=device, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(t, group=group)
         t /= dist.get_world_size(group)

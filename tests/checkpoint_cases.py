@@ -433,6 +433,11 @@ def error_messages(config: dict, root: str) -> dict[str, str]:
         ck.export_hf(os.path.join(root, "hf"), smp.transform(_llama(0)))
         out["hf_wrong_model"] = _error(ck.load_hf, os.path.join(root, "hf"), model)
         out["load_of_export"] = _error(ck.load, os.path.join(root, "hf"), model)
+        # A save never deletes what is not its own kind of checkpoint: user files, a root
+        # holding checkpoints, an export in place of a checkpoint.
+        out["onto_user_dir"] = _error(ck.save, os.path.join(root, "random_dir"), model)
+        out["onto_root"] = _error(ck.save, root, model)
+        out["onto_export"] = _error(ck.save, os.path.join(root, "hf"), model)
         out["ok"] = _error(ck.load, tiny, model)  # the right model loads: no error
         out["listing"] = sorted(os.listdir(root))  # failed saves left nothing behind
         out["latest"] = os.path.basename(ck.latest(root))  # the export "hf" is newer: not a checkpoint

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 
 import torch
@@ -19,8 +21,11 @@ def _fsdp_model_with_grads():
     return model
 
 
-def nonfinite_on_one_rank(bad_rank: int, param_name: str, action: str):
-    """NaN in the local shard of `param_name` on `bad_rank` only; every rank must agree."""
+def nonfinite_on_one_rank(bad_rank: int, param_name: str, action: str, guarded: bool = False):
+    """NaN in the local shard of `param_name` on `bad_rank` only; every rank must agree.
+
+    `guarded`: inside smp.step_guard, which must let the agreed error through on every rank
+    (no rank blamed, none stopped)."""
     model = _fsdp_model_with_grads()
     try:
         assert smp.check_finite_grads(model, step=0, action=action)  # clean grads pass
@@ -32,7 +37,9 @@ def nonfinite_on_one_rank(bad_rank: int, param_name: str, action: str):
             local.view(-1)[0] = float("nan")
         result: dict = {}
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, (
+                smp.step_guard(7) if guarded else contextlib.nullcontext()
+            ):
                 warnings.simplefilter("always")
                 result["ok"] = smp.check_finite_grads(model, step=7, action=action)
             result["warnings"] = [str(w.message) for w in caught]

@@ -226,5 +226,7 @@ def test_error_messages(ranks, tmp_path):
         assert "load_hf" in e["load_of_export"]
         assert "keep_last=0" in e["keep_last_0"]
         assert "must be picklable" in e["unpicklable_extra"], e["unpicklable_extra"]
+        for key in ("onto_user_dir", "onto_root", "onto_export"):
+            assert "is not an smp sharded checkpoint" in e[key] and "would delete" in e[key], e[key]
         assert e["listing"] == ["half", "hf", "random_dir", "tiny"], e["listing"]
         assert e["latest"] == "tiny"

@@ -109,3 +109,11 @@ def test_writer_tensorboard_scalars(tmp_path):
     events.Reload()
     assert "mfu" not in events.Tags()["scalars"]  # unknown values are left out, not written as 0
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+
+
+def test_writer_keeps_running_on_nonfinite_values(tmp_path):
+    w = metrics.MetricsWriter(tmp_path, tensorboard=False)
+    w.write(1, {"loss": float("nan"), "grad_norm": torch.tensor(float("inf")), "lr": 1e-3})
+    w.close()
+    record = metrics.read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert record["loss"] is None and record["grad_norm"] is None and record["lr"] == 1e-3

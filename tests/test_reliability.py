@@ -241,10 +241,12 @@ def test_bad_action_is_an_error():
         smp.check_finite_grads(_model_with_grads(), action="ignore")
 
 
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "in_step_guard"])
 @pytest.mark.parametrize("action", ["raise", "skip"])
-def test_nonfinite_on_one_rank_is_seen_by_all(ranks, action):
-    """FSDP: the NaN is in rank 1's shard only; both ranks report it and decide alike."""
-    results = ranks(2).run(reliability_cases.nonfinite_on_one_rank, 1, "layers.0.down.weight", action)
+def test_nonfinite_on_one_rank_is_seen_by_all(ranks, action, guarded):
+    """FSDP: the NaN is in rank 1's shard only; both ranks report it and decide alike, also
+    inside step_guard (an agreed error: no rank is blamed or stopped)."""
+    results = ranks(2).run(reliability_cases.nonfinite_on_one_rank, 1, "layers.0.down.weight", action, guarded)
     if action == "raise":
         for r in results:
             assert r["parameters"] == ["layers.0.down.weight"] and r["modules"] == ["layers.0.down"]

@@ -136,6 +136,19 @@ def test_clip_grad_norm_under_tp(ranks, world, kind):
         assert norm_diff < 1e-5 and grad_diff < 1e-7, (norm_diff, grad_diff)
 
 
+@pytest.mark.parametrize("config,expected", [
+    # 2 decoder layers: one reduction per attention / MLP region (not one per q, k, v, gate, up
+    # projection: that was 11 all-reduces), plus the LM head's input.
+    (TP2, {"all_reduce": 5}),
+    # Sequence parallel: each region's input gradient goes back to the sequence shards by one
+    # reduce-scatter; the all-reduces are the replicated norm weights' gradients (2 x 2 + final).
+    (TP2_SP, {"reduce_scatter_tensor": 5, "all_gather_into_tensor": 5, "all_reduce": 5}),
+], ids=["tp2", "tp2-sp"])
+def test_backward_reduces_once_per_region(ranks, config, expected):
+    counts = ranks(2).run(tp_cases.backward_collectives, config, "llama")
+    assert counts[0] == expected, counts[0]
+
+
 def test_tp_group_shares_the_batch(ranks):
     states = ranks(4).run(tp_cases.batch_rows, TP2)
     assert [s["tp_rank"] for s in states] == [0, 1, 0, 1]

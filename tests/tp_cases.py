@@ -288,3 +288,20 @@ def full_state_dict_diff(config: dict, kind: str) -> tuple[list[str], float]:
         return keys, diff
     finally:
         smp.shutdown()
+
+
+def backward_collectives(config: dict, kind: str) -> dict[str, int]:
+    """Collectives that tensor parallel issues in one backward (FSDP off: world == tp)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    smp.init(config)
+    try:
+        torch.manual_seed(0)
+        model = smp.transform(build(kind))
+        batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=3)
+        loss = loss_of(model, batch)
+        with CommDebugMode() as comm:
+            loss.backward()
+        return {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items()}
+    finally:
+        smp.shutdown()

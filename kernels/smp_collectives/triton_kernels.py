@@ -75,8 +75,10 @@ def _quantize_kernel(
     x_ptr, res_ptr, q_ptr, scale_ptr, cols, nb, qmax,
     HAS_RES: tl.constexpr, IS_FP8: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1) * GROUP + tl.arange(0, GROUP)  # [GROUP] block indices in the row
+    # Blocks on grid axis 0 (up to 2**31 - 1 programs), rows on axis 1 (CUDA caps y at 65535):
+    # a large FSDP unit's chunk has far more blocks than any limit on axis 1 allows.
+    row = tl.program_id(1).to(tl.int64)
+    blk = tl.program_id(0) * GROUP + tl.arange(0, GROUP)  # [GROUP] block indices in the row
     col = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [GROUP, BLOCK]
     mask = (col < cols) & (blk[:, None] < nb)
     offs = row * cols + col
@@ -124,7 +126,7 @@ def quantize(x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | No
     if residual is not None:
         assert residual.is_contiguous() and residual.dtype == torch.float32 and residual.shape == x.shape
     group = _group(block)
-    grid = (rows, triton.cdiv(nb, group))
+    grid = (triton.cdiv(nb, group), rows)
     _quantize_kernel[grid](
         x, residual if residual is not None else x, q, scale, cols, nb, QMAX[kind],
         HAS_RES=residual is not None, IS_FP8=kind == "fp8", BLOCK=block, GROUP=group,

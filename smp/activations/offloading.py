@@ -67,7 +67,6 @@ class OffloadStats:
     max_layers_resident: int = 0
     prefetch_loads: int = 0  # tensors brought back ahead of need (by the horizon schedule)
     demand_loads: int = 0  # tensors brought back only when backward asked for them
-    resident_trace: list[int] = field(default_factory=list)  # layers resident after each load
 
     def __post_init__(self) -> None:
         self.saved_bytes = self.saved_bytes or [0] * self.layers
@@ -87,7 +86,6 @@ class OffloadStats:
 
     def reset(self) -> None:
         self.max_layers_resident = self.prefetch_loads = self.demand_loads = 0
-        self.resident_trace.clear()
 
 
 class _Handle:
@@ -228,7 +226,6 @@ class ActivationOffloader:
         if prefetch:
             self.stats.prefetch_loads += len(handles)
         self._resident.add(layer)
-        self.stats.resident_trace.append(len(self._resident))
         self.stats.max_layers_resident = max(self.stats.max_layers_resident, len(self._resident))
 
     def _load(self, handle: _Handle) -> None:

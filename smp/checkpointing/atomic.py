@@ -43,8 +43,22 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def prepare(path: str) -> str:
-    """(rank 0) Clear a stale partial directory of the same name and create a fresh one."""
+def prepare(path: str, kind: str = "sharded") -> str:
+    """(rank 0) Clear a stale partial directory of the same name and create a fresh one.
+
+    Refuses a target that exists and is not a committed checkpoint of the same kind (or an
+    empty folder): overwriting replaces the whole directory, and a user's own files, or a root
+    holding many checkpoints, must never be deleted by a save."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        replaceable = (os.path.isdir(path) and not os.listdir(path)) or (
+            is_committed(path) and _marker(path)[1] == kind
+        )
+        if not replaceable:
+            raise FileExistsError(
+                f"{path!r} exists and is not an smp {kind} checkpoint; saving there would delete "
+                f"its contents. Save to a new folder (e.g. <root>/step_N) or remove it first"
+            )
     tmp = partial_dir(path)
     if os.path.exists(tmp):
         shutil.rmtree(tmp)

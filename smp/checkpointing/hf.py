@@ -73,7 +73,7 @@ def export_hf(
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     meta = metadata.build(metadata.tensor_shapes(state), False, "hf")
-    tmp = _agree_on_tmp(out_dir)
+    tmp = _agree_on_tmp(out_dir, "hf")
     try:
         writer = HuggingFaceStorageWriter(
             tmp, fqn_to_index_mapping=_file_index(state, max_shard_bytes),
@@ -83,7 +83,6 @@ def export_hf(
 
         def finish() -> None:
             shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)  # per-rank pieces
-            shutil.rmtree(os.path.join(tmp, "smp_extra"), ignore_errors=True)
             _save_model_config(model, tmp)
             metadata.write(tmp, meta)
             atomic.commit(out_dir, kind="hf")

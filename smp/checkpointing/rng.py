@@ -21,7 +21,7 @@ def capture() -> dict[str, Any]:
     except ImportError:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+        state["torch_cuda"] = torch.cuda.get_rng_state()  # this rank's device only: visible devices may differ on resume
     return state
 
 
@@ -36,4 +36,4 @@ def restore(state: dict[str, Any]) -> None:
         except ImportError:
             pass
     if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["torch_cuda"])
+        torch.cuda.set_rng_state(state["torch_cuda"])

@@ -12,6 +12,7 @@ Layout of a checkpoint directory (plain DCP at its root, so `dcp.load` works wit
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import shutil
@@ -80,13 +81,14 @@ def on_rank0(fn, what: str) -> None:
         raise CheckpointError(f"{what} failed on rank 0: {error}")
 
 
-def _agree_on_tmp(path: str) -> str:
+def _agree_on_tmp(path: str, kind: str = "sharded") -> str:
     """Rank 0 clears and creates the partial directory; the others wait for it."""
     tmp = atomic.partial_dir(path)
 
     def make() -> None:
-        atomic.prepare(path)
-        os.makedirs(os.path.join(tmp, EXTRA_DIR))
+        atomic.prepare(path, kind)
+        if kind == "sharded":
+            os.makedirs(os.path.join(tmp, EXTRA_DIR))
 
     on_rank0(make, f"creating checkpoint directory {tmp!r}")
     return tmp
@@ -113,9 +115,15 @@ def _commit(path: str, meta: dict[str, Any], keep_last: int | None) -> None:
     metadata.write(tmp, meta)
     atomic.commit(path)
     if keep_last is not None:
-        removed = atomic.keep_last(os.path.dirname(os.path.abspath(path)), keep_last, protect=path)
-        if removed:
-            log.info("smp.checkpointing: removed old checkpoints %s", removed)
+        # The new checkpoint is committed: failing to delete an old one must not report the
+        # save as failed (latest() already returns the new one).
+        try:
+            removed = atomic.keep_last(os.path.dirname(os.path.abspath(path)), keep_last, protect=path)
+        except OSError as e:
+            log.warning("smp.checkpointing: keep_last=%s could not remove old checkpoints: %s", keep_last, e)
+        else:
+            if removed:
+                log.info("smp.checkpointing: removed old checkpoints %s", removed)
 
 
 def _get_async_group() -> dist.ProcessGroup | None:
@@ -126,7 +134,14 @@ def _get_async_group() -> dist.ProcessGroup | None:
         return None
     world = dist.distributed_c10d._get_default_group()
     if _async_group is None or _async_group_world is not world:  # new process group since
-        _async_group, _async_group_world = dist.new_group(backend="gloo"), world
+        # The configured collective timeout, not torch's 30 min: a rank that dies mid-upload
+        # must not stall wait(), shutdown() and interpreter exit for half an hour.
+        from smp import runtime
+
+        timeout = None
+        if runtime.is_initialized():
+            timeout = datetime.timedelta(seconds=runtime.current().config.collective_timeout_seconds)
+        _async_group, _async_group_world = dist.new_group(backend="gloo", timeout=timeout), world
     return _async_group
 
 
@@ -302,7 +317,7 @@ def _read_extra(path: str, meta: dict[str, Any]) -> Any:
     if not os.path.exists(file):
         return None
     saved = torch.load(file, weights_only=False)  # our own pickle: scheduler / loader states
-    if same_world:
+    if same_world and file == own:
         rng.restore(saved["rng"])
     elif _rank() == 0:
         log.warning(

@@ -49,7 +49,7 @@ def find_nonfinite_grads(model: nn.Module, group: dist.ProcessGroup | None = Non
     A collective over `group` (default: the world): every rank must call it.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    device = _device_of(named)
+    device = _device_of(named, group)
     flags = torch.zeros(2, max(len(named), 1), dtype=torch.float32, device=device)
     for i, (_, p) in enumerate(named):
         g = p.grad
@@ -124,17 +124,16 @@ def _module_of(param_name: str) -> str:
     return ".".join(parts) or "<root>"
 
 
-def _device_of(named: list[tuple[str, nn.Parameter]]) -> torch.device:
-    if not named:
+def _device_of(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the flags must live for `group`'s backend: NCCL reduces CUDA tensors only (also
+    when cpu_offload keeps the gradients on the host), gloo reduces CPU tensors."""
+    if dist.is_initialized():
+        if "nccl" in str(dist.get_backend(group)):
+            return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    p = named[0][1]
-    local = p.to_local() if isinstance(p, DTensor) else p
-    if local.device.type == "meta":
-        return torch.device("cpu")
-    # gloo reduces CPU tensors; NCCL needs them on the device.
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        return torch.device("cpu")
-    return local.device
+    # No collective: keep the flags beside the gradients (one host sync at the end, not per param).
+    local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named[:1]]
+    return local[0].device if local and local[0].device.type != "meta" else torch.device("cpu")
 
 
 class NonFiniteTrace:

@@ -58,6 +58,13 @@ class PeerFailure(RuntimeError):
     """Raised on a rank whose step failed because another rank failed first."""
 
 
+def _agreed_errors() -> tuple[type[BaseException], ...]:
+    from smp.config import ConfigError  # CheckpointError is one
+    from smp.reliability.finite import NonFiniteGradientError
+
+    return (PeerFailure, ConfigError, NonFiniteGradientError)
+
+
 class _Watch:
     """Per-process state shared by step_guard (main thread) and the watchdog thread."""
 
@@ -100,7 +107,9 @@ def step_guard(step: int) -> Iterator[None]:
         _ensure_watchdog()
     try:
         yield
-    except PeerFailure:
+    except _agreed_errors():
+        # Agreed across ranks (a NaN check, a checkpoint or config error): every rank raises
+        # the same error itself and can catch it; no rank is to blame or be stopped.
         raise
     except BaseException as exc:
         _handle_failure(exc, step)

@@ -49,8 +49,3 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     shifted = logits[:, :-1].flatten(0, 1).float()
     target = labels[:, 1:].flatten().to(shifted.device)
     return F.cross_entropy(shifted, target, ignore_index=ignore_index)
-
-
-def local_value(loss: torch.Tensor) -> torch.Tensor:
-    """The loss as a plain tensor (for logging): a loss-parallel loss is a replicated DTensor."""
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss

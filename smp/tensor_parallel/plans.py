@@ -165,7 +165,7 @@ def _match(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, tuple[str, St
 
 
 def _check_module_type(name: str, module: nn.Module, style: StyleSpec, source: str) -> None:
-    if not isinstance(style, str) or style in ("sequence_parallel", "gather_sequence", "replicate_to_sequence"):
+    if not isinstance(style, str) or style in ("sequence_parallel", "gather_sequence", "region_entry", "replicate_to_sequence"):
         return
     if style.startswith("embedding"):
         ok = isinstance(module, nn.Embedding)
@@ -209,7 +209,20 @@ def expand_plan(model: nn.Module, plan: Plan, opts: Options) -> Expanded:
 
     if opts.sequence_parallel:
         out.assignments += _sequence_parallel_extras(model, modules, matched, out.regions, head)
+    else:
+        # One shared replicated input per region: one all-reduce of its gradient in backward.
+        # Not for regions that also hold norms (attention inline in the block): their input
+        # feeds the residual too, which must stay a plain tensor.
+        out.assignments += [
+            Assignment(rname, region, "region_entry")
+            for rname, region in sorted(out.regions.items())
+            if rname and not _holds_norms(region)
+        ]
     return out
+
+
+def _holds_norms(region: nn.Module) -> bool:
+    return any(_is_norm(m) and not ("q_norm" in n or "k_norm" in n) for n, m in region.named_modules())
 
 
 def _sequence_parallel_extras(model, modules, matched, regions, head) -> list[Assignment]:
@@ -217,10 +230,9 @@ def _sequence_parallel_extras(model, modules, matched, regions, head) -> list[As
     extras: list[Assignment] = []
     region_names = sorted(regions)
     for rname in region_names:
-        inner_norms = [n for n, m in regions[rname].named_modules() if _is_norm(m)]
         # A region holding the block's own norms (attention computed inline in the block) has no
         # place for the sequence gather between norm and projections.
-        if inner_norms and not all(("q_norm" in n or "k_norm" in n) for n in inner_norms):
+        if _holds_norms(regions[rname]):
             raise ConfigError(
                 f"sequence_parallel: {rname or type(model).__name__!r} holds both norm layers and "
                 "the split projections, so smp cannot gather the sequence between them; put "

@@ -9,8 +9,9 @@ The names are transformers' (`colwise`, `rowwise`, `colwise_gather_output`, `emb
 * Packed projections (fused q|k|v or gate|up in one weight): each of the `k` packed parts is
   split across ranks (`_StridedShard`), so rank r holds `[q_r | k_r | v_r]` and its heads are
   whole. The matmul runs on local tensors; the input gradient is all-reduced on the way back.
-* `GatherSequence`: the entry of an attention/MLP region under sequence parallel, taking the
-  sequence-sharded residual stream (positional or `hidden_states=`) to a replicated tensor.
+* `RegionEntry`: the entry of an attention/MLP region, taking the residual stream (sequence-
+  sharded under sequence parallel) to one replicated DTensor that all the region's projections
+  share, so backward reduces the input gradient once per region, not once per projection.
 
 Layouts depend on the options: under sequence parallel the residual stream between regions is a
 DTensor sharded on the sequence dim (global shapes, so HF models build masks and positions from
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 SEQ_DIM = 1  # (batch, seq, hidden) everywhere in smp's supported models
 
@@ -147,7 +148,8 @@ class PackedColwise(ParallelStyle):
         def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            x = x.redistribute(placements=[Replicate()])
+            if tuple(x.placements) != (Replicate(),):
+                x = x.redistribute(placements=[Replicate()])
             # Each rank's input gradient covers only its own slice of outputs: declared Partial,
             # DTensor all-reduces it to Replicate in backward.
             x = x.to_local(grad_placements=[Partial()])
@@ -164,25 +166,35 @@ def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
     return None if dim is None else Shard(dim)
 
 
-class GatherSequence(ParallelStyle):
-    """Entry of a TP region under sequence parallel: sequence-sharded input -> replicated local.
+class RegionEntry(ParallelStyle):
+    """Entry of an attention/MLP region: its input becomes one replicated DTensor shared by all
+    of the region's projections.
 
-    Takes the first positional argument, else `hidden_states=` (how HF layers call attention).
+    Sharing matters for backward: each colwise projection's input gradient is a partial sum,
+    and with one shared DTensor they add up first and are reduced once per region (an
+    all-reduce, or under sequence parallel a reduce-scatter back to the sequence shards)
+    instead of once per projection. `input_layout` is how a plain tensor input is laid out:
+    Shard(seq) under sequence parallel, else Replicate. Takes the first positional argument,
+    else `hidden_states=` (how HF layers call attention).
     """
 
+    def __init__(self, input_layout: Placement):
+        super().__init__()
+        self.input_layout = input_layout
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def gather(x: Any) -> Any:
+        def enter(x: Any) -> Any:
             if not isinstance(x, torch.Tensor):
                 return x
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, [Shard(SEQ_DIM)], run_check=False)
-            return x.redistribute(placements=[Replicate()]).to_local()
+                x = DTensor.from_local(x, device_mesh, [self.input_layout], run_check=False)
+            return x.redistribute(placements=[Replicate()])
 
         def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:
-                return (gather(args[0]),) + tuple(args[1:]), kwargs
+                return (enter(args[0]),) + tuple(args[1:]), kwargs
             if "hidden_states" in kwargs:
-                kwargs = dict(kwargs, hidden_states=gather(kwargs["hidden_states"]))
+                kwargs = dict(kwargs, hidden_states=enter(kwargs["hidden_states"]))
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -222,7 +234,7 @@ class Options:
 STYLE_NAMES = (
     "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
     "embedding_rowwise", "embedding_colwise", "packed_colwise", "packed_qkv_colwise",
-    "sequence_parallel", "gather_sequence", "replicate_to_sequence", "lm_head",
+    "sequence_parallel", "gather_sequence", "region_entry", "replicate_to_sequence", "lm_head",
 )
 
 
@@ -261,7 +273,9 @@ def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = Fals
     if name == "sequence_parallel":
         return SequenceParallel(sequence_dim=SEQ_DIM)
     if name == "gather_sequence":
-        return GatherSequence()
+        return RegionEntry(Shard(SEQ_DIM))
+    if name == "region_entry":
+        return RegionEntry(Replicate())
     if name == "replicate_to_sequence":
         return ReplicateToSequence()
     raise KeyError(name)
