@@ -255,7 +255,9 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
                         seq_len: int = 0, hidden: int = 0, layers: int = 0, grad_accum: int = 1) -> dict[str, int]:
     """Bytes each rank sends (reduce-scatter, all-reduce) or receives (all-gather) per optimizer
     step, by the bandwidth-optimal formulas, for FSDP2 units as `transform` built them."""
-    mp = config.mixed_precision
+    import smp_collectives as sc
+
+    mp, sync = config.mixed_precision, config.gradient_sync
     all_gather = reduce_scatter = all_reduce = 0
     for module, params in _fsdp_units(model):
         is_root = module is model
@@ -271,8 +273,14 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
         # (blocks, by config; the root never, see sharding/fsdp.py).
         gathers = 1 + (0 if is_root or config.reshard_after_forward is False else 1)
         all_gather += grad_accum * gathers * (n - 1) * elems // n * p_bytes
-        reduce_scatter += (n - 1) * elems // n * g_bytes
-        all_reduce += 2 * (r - 1) * (elems // n) // r * g_bytes
+        if sync.algorithm in ("int8", "fp8"):  # 1-byte codes + a 4-byte scale per block
+            reduce_scatter += sc.quantized_bytes(elems, n, sync.block_size)
+        else:
+            reduce_scatter += sc.fp32_bytes_bound(elems, n, g_bytes)
+        if r > 1 and sync.cross_replica in ("int8", "fp8"):  # quantised reduce-scatter + all-gather
+            all_reduce += 2 * sc.quantized_bytes(elems // n, r, sync.block_size)
+        else:
+            all_reduce += 2 * (r - 1) * (elems // n) // r * g_bytes
     out = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce_replicas": all_reduce}
     if dims.tp > 1 and layers:
         # Two activation all-reduces per layer forward (attention, MLP output), two in backward.

@@ -59,6 +59,16 @@ def test_plan_comm_bytes_match_counted_bytes(ranks, world, config):
         assert counted["total"] == planned["total"] > 0
 
 
+def test_plan_quantized_reduce_scatter_bytes(ranks):
+    """int8: the plan's reduce-scatter bytes equal what the quantised collective counts."""
+    measured = ranks(2).run(planning_cases.measured_bytes, {"gradient_sync": "int8"})
+    planned = plan({"gradient_sync": "int8"}, tiny_llama_config(), 2, seq_len=16, micro_batch=2).comm_bytes
+    fp32 = plan({}, tiny_llama_config(), 2, seq_len=16, micro_batch=2).comm_bytes
+    assert planned["reduce_scatter"] < 0.27 * fp32["reduce_scatter"]
+    for got in measured:
+        assert got["sync"]["int8.reduce_scatter"] == planned["reduce_scatter"], (planned, got["sync"])
+
+
 def test_plan_reacts_to_config():
     base = plan({}, "tiny", 4, seq_len=32, micro_batch=2)
     hybrid = plan({"hybrid_shard_degree": 2}, "tiny", 4, seq_len=32, micro_batch=2)
