@@ -99,6 +99,12 @@ def _dequantize_accumulate_kernel(
     q_ptr, scale_ptr, out_ptr, rows, cols, nb, divisor,
     IS_FP8: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
 ):
+    # Grid axis 1 picks an independent output row (`dequantize`: one launch for all rows); the
+    # accumulating reduce-scatter launches one row of programs that sums `rows` input rows.
+    out_row = tl.program_id(1).to(tl.int64)
+    q_ptr += out_row * rows * cols
+    scale_ptr += out_row * rows * nb
+    out_ptr += out_row * cols
     blk = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
     col = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = (col < cols) & (blk[:, None] < nb)
@@ -149,6 +155,14 @@ def dequantize_accumulate(q: torch.Tensor, scale: torch.Tensor, block: int, kind
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, kind: str) -> torch.Tensor:
-    return torch.stack(
-        [dequantize_accumulate(q[r : r + 1], scale[r : r + 1], block, kind) for r in range(q.shape[0])]
+    """Each row decoded on its own (no sum), in one launch: rows on grid axis 1."""
+    _check(kind, block)
+    rows, cols = q.shape
+    nb = num_blocks(cols, block)
+    out = torch.empty((rows, cols), dtype=torch.float32, device=q.device)
+    group = _group(block)
+    _dequantize_accumulate_kernel[(triton.cdiv(nb, group), rows)](
+        q.contiguous(), scale.contiguous(), out, 1, cols, nb, 1.0,
+        IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, enable_fp_fusion=False,
     )
+    return out
