@@ -234,14 +234,19 @@ def evaluate(model, rows: torch.Tensor, args, st) -> float:
     return smp.training.all_reduce_mean(sum(losses) / len(losses))
 
 
-def grad_sync_bytes(model, st) -> tuple[int, str]:
-    """Gradient-sync bytes this rank sends per step: measured by smp_collectives when it does the
-    sync, else the bandwidth-optimal count for the process group's own collectives."""
+def grad_sync_bytes(formula: dict[str, int], st) -> tuple[int, str]:
+    """Gradient-sync bytes this rank sends per step: what smp_collectives counted for the parts
+    it runs, plus the bandwidth-optimal count (`formula`, from comm_bytes_per_step, computed
+    once) for the parts the process group's own collectives run."""
     measured = smp.gradient_sync_bytes(reset=True)["total"]
-    if measured:
-        return measured, "measured"
-    comm = comm_bytes_per_step(model, st.config, st.dims)
-    return comm["reduce_scatter"] + comm["all_reduce_replicas"], "formula"
+    sync = st.config.gradient_sync
+    native = 0
+    if sync.algorithm == "default":
+        native += formula["reduce_scatter"]
+    if sync.cross_replica == "default":
+        native += formula["all_reduce_replicas"]
+    source = "measured" if not native else ("formula" if not measured else "measured+formula")
+    return measured + native, source
 
 
 def main(argv=None) -> None:
@@ -297,6 +302,7 @@ def main(argv=None) -> None:
     progress = metrics.Progress(args.steps, start_step, enabled=is_main and args.progress)
 
     first_loss = last_loss = None
+    sync_formula = comm_bytes_per_step(model, st.config, st.dims)  # constant: computed once
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, args.steps, args.lr, warmup)
@@ -304,7 +310,7 @@ def main(argv=None) -> None:
             group["lr"] = lr
         batch_rows = step_rows(step, train_rows.shape[0], args.global_batch, st.config.random_seed)
         mine = train_rows[batch_rows[st.dp_rank * local_batch:(st.dp_rank + 1) * local_batch]].to(st.device)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=st.device)  # on the device: no host sync per micro-step
         for m in range(args.grad_accum):
             chunk = mine[m * micro:(m + 1) * micro]
             last = m == args.grad_accum - 1
@@ -312,7 +318,7 @@ def main(argv=None) -> None:
             with smp.no_sync(model) if not last else contextlib.nullcontext():
                 loss = model(input_ids=chunk, labels=chunk).loss / args.grad_accum
                 loss.backward()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach().float()
         grad_norm = smp.clip_grad_norm_(model, args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -323,7 +329,7 @@ def main(argv=None) -> None:
 
         peaks = {f"{kind}_bytes_per_rank": [int(v) for v in metrics.gather_per_rank(value, st.device)]
                  for kind, value in metrics.peak_memory_bytes(st.device).items()}
-        sync_bytes, sync_source = grad_sync_bytes(model, st)
+        sync_bytes, sync_source = grad_sync_bytes(sync_formula, st)
         record = {"loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "step_seconds": seconds,
                   **meter.step(tokens_per_step, seconds),
                   **peaks,
