@@ -8,7 +8,6 @@ import copy
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import smp
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
@@ -16,6 +15,7 @@ from smp.activations.accounting import OpCounter, SavedActivationMeter, paramete
 from smp.activations.offloading import offload_stats
 from smp.config import load_config
 from smp.sharding import find_blocks
+from smp.testing.distributed import full_tensor
 from smp.testing.models import TinyTransformer, loss_of, random_batch, tiny_llama
 
 GLOBAL_BATCH, SEQ, LAYERS = 4, 16, 4
@@ -32,10 +32,6 @@ def _vocab(kind: str) -> int:
     return 128 if kind == "plain" else 256
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _measured_step(model, blocks, batch) -> dict:
     """One forward + backward with the meters on; returns loss, grads and the measurements."""
     offloader = getattr(model, "_smp_activation_offloader", None)
@@ -50,7 +46,7 @@ def _measured_step(model, blocks, batch) -> dict:
     stats = offload_stats(model)
     return dict(
         loss=loss.detach(),
-        grads={n: _full(p.grad).clone() for n, p in model.named_parameters()},
+        grads={n: full_tensor(p.grad).clone() for n, p in model.named_parameters()},
         live_per_layer=live.per_layer,
         backward_matmuls=sum(counter.counts[op] for op in MATMULS),
         backward_ops=dict(counter.counts),

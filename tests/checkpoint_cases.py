@@ -15,28 +15,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import smp
+from smp.testing.distributed import full_tensor, local_rows, world_mean
 from smp.testing.models import TinyTransformer, loss_of, random_batch, tiny_llama
 
 GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 256
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _batch(step: int) -> torch.Tensor:
     return random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=1000 + step)
-
-
-def _local_rows(batch: torch.Tensor) -> torch.Tensor:
-    per = batch.shape[0] // smp.state.dp_size
-    return batch[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
-
-
-def _dp_mean(value: torch.Tensor) -> float:
-    t = value.detach().double().clone()
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
 
 
 def _llama(seed: int, dropout: float = 0.0, **overrides) -> torch.nn.Module:
@@ -53,17 +39,17 @@ def _optim(model: torch.nn.Module):
 def _steps(model, opt, sched, start: int, stop: int) -> list[float]:
     losses = []
     for step in range(start, stop):
-        loss = loss_of(model, _local_rows(_batch(step)))
+        loss = loss_of(model, local_rows(_batch(step)))
         loss.backward()
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(_dp_mean(loss))
+        losses.append(world_mean(loss))
     return losses
 
 
 def _params(model) -> dict[str, torch.Tensor]:
-    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    return {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def _tp_sharded(model) -> bool:
@@ -223,7 +209,7 @@ def failed_save_keeps_previous(config: dict, root: str) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         smp.checkpointing.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
         at_1 = _params(model)
-        loss_of(model, _local_rows(random_batch(GLOBAL_BATCH, SEQ, 128, seed=3))).backward()
+        loss_of(model, local_rows(random_batch(GLOBAL_BATCH, SEQ, 128, seed=3))).backward()
         opt.step()
 
         original = FileSystemWriter.write_data
@@ -278,7 +264,7 @@ def async_snapshot(config: dict, root: str) -> float:
         before = _params(model)
         smp.checkpointing.save(os.path.join(root, "a"), model, opt, async_save=True)
         for _ in range(2):
-            loss_of(model, _local_rows(random_batch(GLOBAL_BATCH, SEQ, 128, seed=4))).backward()
+            loss_of(model, local_rows(random_batch(GLOBAL_BATCH, SEQ, 128, seed=4))).backward()
             opt.step(), opt.zero_grad()
         assert _max_diff(before, _params(model)) > 1e-3  # training really moved the weights
         smp.checkpointing.wait()
@@ -307,7 +293,7 @@ def async_committed_by_shutdown(config: dict, root: str) -> str | None:
 def _logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=ids).logits
-    return _full(out).float()
+    return full_tensor(out).float()
 
 
 def export_then_from_pretrained(config: dict, out: str, max_shard_bytes: int, tie: bool = False,
@@ -378,7 +364,7 @@ def import_hf(config: dict, hf_dir: str, tie: bool, dtype: str) -> dict:
         model.eval(), reference.eval()
         ref_params = dict(reference.named_parameters())
         return {
-            "param_diff": max(float((_full(p.detach()) - ref_params[n]).abs().max()) for n, p in model.named_parameters()),
+            "param_diff": max(float((full_tensor(p.detach()) - ref_params[n]).abs().max()) for n, p in model.named_parameters()),
             "logit_diff": float((_logits(model, ids) - _logits(reference, ids)).abs().max()),
             "files": len([f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]),
             "tp": _tp_sharded(model),

@@ -6,11 +6,11 @@ import copy
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import smp
 import smp_collectives as sc
 from smp_collectives import counters
+from smp.testing.distributed import full_tensor
 from smp.testing.models import build, loss_of, random_batch
 
 
@@ -98,10 +98,6 @@ def cross_replica_hook_case(kind: str | None) -> torch.Tensor:
 # Through smp.transform
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _rows(batch: torch.Tensor) -> torch.Tensor:
     per = batch.shape[0] // smp.state.dp_size
     return batch[smp.state.dp_rank * per : (smp.state.dp_rank + 1) * per]
@@ -132,7 +128,7 @@ def train_grads(config: dict, kind: str, steps: int = 2) -> dict:
             losses.append(float(t) / dist.get_world_size())
             ref_losses.append(float(ref_loss))
             ref_grads = dict(reference.named_parameters())
-            grads = {name: _full(p.grad).clone() for name, p in model.named_parameters()}
+            grads = {name: full_tensor(p.grad).clone() for name, p in model.named_parameters()}
             grad_diff = max(grad_diff, max(float((grads[k] - ref_grads[k].grad).abs().max()) for k in grads))
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()

@@ -6,28 +6,12 @@ import copy
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import smp
+from smp.testing.distributed import full_tensor, local_rows, local_tensor, world_mean
 from smp.testing.models import build, loss_of, random_batch
 
 GLOBAL_BATCH, SEQ = 8, 16
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local_rows(batch: torch.Tensor) -> torch.Tensor:
-    """This rank's share of the global batch: ranks of one data-parallel index get the same rows."""
-    per = batch.shape[0] // smp.state.dp_size
-    return batch[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
-
-
-def _dp_mean(value: torch.Tensor) -> float:
-    t = value.detach().double().clone()
-    dist.all_reduce(t)  # every rank holds the loss of its rows; tp ranks repeat theirs
-    return float(t) / dist.get_world_size()
 
 
 def equivalence(config: dict, kind: str, steps: int = 2, break_sync: bool = False,
@@ -57,18 +41,18 @@ def equivalence(config: dict, kind: str, steps: int = 2, break_sync: bool = Fals
 
         report = {"loss_diff": 0.0, "grad_diff": 0.0, "param_diff": 0.0, "losses": []}
         for p_ref, (name, p) in zip(reference.parameters(), model.named_parameters()):
-            report["param_diff"] = max(report["param_diff"], float((_full(p.detach()) - p_ref.detach()).abs().max()))
+            report["param_diff"] = max(report["param_diff"], float((full_tensor(p.detach()) - p_ref.detach()).abs().max()))
         for step in range(steps):
             batch = random_batch(GLOBAL_BATCH, SEQ, vocab, seed=100)  # same batch: loss must fall
-            loss = loss_of(model, _local_rows(batch))
+            loss = loss_of(model, local_rows(batch))
             loss.backward()
             ref_loss = loss_of(reference, batch)
             ref_loss.backward()
             report["losses"].append(float(ref_loss))
-            report["loss_diff"] = max(report["loss_diff"], abs(_dp_mean(loss) - float(ref_loss)))
+            report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss)))
             ref_grads = dict(reference.named_parameters())
             for name, p in model.named_parameters():
-                g = _full(p.grad)
+                g = full_tensor(p.grad)
                 report["grad_diff"] = max(report["grad_diff"], float((g - ref_grads[name].grad).abs().max()))
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
@@ -109,12 +93,12 @@ def clip_equivalence(config: dict) -> tuple[float, float]:
         reference = build("plain")
         model = smp.transform(copy.deepcopy(reference))
         batch = random_batch(GLOBAL_BATCH, SEQ, 128, seed=7)
-        loss_of(model, _local_rows(batch)).backward()
+        loss_of(model, local_rows(batch)).backward()
         loss_of(reference, batch).backward()
         norm = smp.clip_grad_norm_(model, 0.01)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
         grad_diff = max(
-            float((_full(p.grad) - r.grad).abs().max())
+            float((full_tensor(p.grad) - r.grad).abs().max())
             for p, r in zip(model.parameters(), reference.parameters())
         )
         return abs(float(norm) - float(ref_norm)), grad_diff
@@ -130,14 +114,14 @@ def accumulation_equivalence(config: dict) -> float:
         reference = build("plain")
         model = smp.transform(copy.deepcopy(reference))
         batch = random_batch(GLOBAL_BATCH, SEQ, 128, seed=9)
-        local = _local_rows(batch)
+        local = local_rows(batch)
         half = local.shape[0] // 2
         with smp.no_sync(model):
             (loss_of(model, local[:half]) / 2).backward()
         (loss_of(model, local[half:]) / 2).backward()
         loss_of(reference, batch).backward()
         return max(
-            float((_full(p.grad) - r.grad).abs().max())
+            float((full_tensor(p.grad) - r.grad).abs().max())
             for p, r in zip(model.parameters(), reference.parameters())
         )
     finally:
@@ -152,14 +136,10 @@ def shard_bytes(config: dict, kind: str) -> tuple[int, int]:
         model = build(kind)
         full = sum(p.numel() * p.element_size() for p in model.parameters())
         model = smp.transform(model)
-        local = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        local = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
         return local, full
     finally:
         smp.shutdown()
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def init_error(config: dict) -> str:

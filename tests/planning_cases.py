@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 import smp
+from smp.testing.distributed import local_tensor
 from smp.testing.models import random_batch, tiny_llama
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        s = _local(t).untyped_storage()
+        s = local_tensor(t).untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import smp
 from smp.tensor_parallel import causal_lm_loss, loss_parallel
+from smp.testing.distributed import full_tensor, local_rows, world_mean
 from smp.testing.models import TinyTransformer, random_batch, tiny_llama
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
@@ -68,22 +68,6 @@ def loss_of(model: nn.Module, input_ids: torch.Tensor, hf_loss: bool = True) -> 
     return causal_lm_loss(model(input_ids=input_ids).logits, input_ids)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local_rows(batch: torch.Tensor) -> torch.Tensor:
-    """This rank's share of the global batch, by data-parallel rank: a TP group shares it."""
-    per = batch.shape[0] // smp.state.dp_size
-    return batch[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
-
-
-def _world_mean(value: torch.Tensor) -> float:
-    t = _full(value.detach()).double().clone()
-    dist.all_reduce(t)  # TP ranks repeat their group's loss, so the world mean is the dp mean
-    return float(t) / dist.get_world_size()
-
-
 def equivalence(config: dict, kind: str, steps: int = 2, hf_loss: bool = True, corrupt: bool = False) -> dict:
     """TP (x FSDP) run vs the single-process run on the same init and global batch.
 
@@ -109,15 +93,15 @@ def equivalence(config: dict, kind: str, steps: int = 2, hf_loss: bool = True, c
         batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
         for _ in range(steps):
             with loss_parallel():
-                loss = loss_of(model, _local_rows(batch), hf_loss)
+                loss = loss_of(model, local_rows(batch), hf_loss)
                 loss.backward()
             ref_loss = loss_of(reference, batch, hf_loss)
             ref_loss.backward()
             report["losses"].append(float(ref_loss))
-            report["loss_diff"] = max(report["loss_diff"], abs(_world_mean(loss) - float(ref_loss)))
+            report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss)))
             ref_params = dict(reference.named_parameters())
             for name, p in model.named_parameters():
-                g = _full(p.grad)
+                g = full_tensor(p.grad)
                 report["grad_diff"] = max(report["grad_diff"], float((g - ref_params[name].grad).abs().max()))
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
@@ -181,12 +165,12 @@ def clip_equivalence(config: dict, kind: str) -> tuple[float, float]:
         reference = build(kind)
         model = smp.transform(copy.deepcopy(reference), tp_plan=USER_PLAN if kind == "user" else None)
         batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=7)
-        loss_of(model, _local_rows(batch)).backward()
+        loss_of(model, local_rows(batch)).backward()
         loss_of(reference, batch).backward()
         norm = smp.clip_grad_norm_(model, 0.01)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
         ref_params = dict(reference.named_parameters())
-        grad_diff = max(float((_full(p.grad) - ref_params[n].grad).abs().max()) for n, p in model.named_parameters())
+        grad_diff = max(float((full_tensor(p.grad) - ref_params[n].grad).abs().max()) for n, p in model.named_parameters())
         return abs(float(norm) - float(ref_norm)), grad_diff
     finally:
         smp.shutdown()
@@ -197,7 +181,7 @@ def batch_rows(config: dict) -> dict:
     smp.init(config)
     try:
         batch = torch.arange(8).unsqueeze(1)
-        return {"rows": _local_rows(batch).flatten().tolist(), "tp_rank": smp.state.tp_rank,
+        return {"rows": local_rows(batch).flatten().tolist(), "tp_rank": smp.state.tp_rank,
                 "tp_size": smp.state.tp_size, "dp_rank": smp.state.dp_rank}
     finally:
         smp.shutdown()
@@ -244,7 +228,7 @@ def delayed_init_params(config: dict, kind: str) -> float:
             model = build(kind)
         model = smp.transform(model, tp_plan=USER_PLAN if kind == "user" else None)
         ref_params = dict(reference.named_parameters())
-        return max(float((_full(p.detach()) - ref_params[n]).abs().max()) for n, p in model.named_parameters())
+        return max(float((full_tensor(p.detach()) - ref_params[n]).abs().max()) for n, p in model.named_parameters())
     finally:
         smp.shutdown()
 

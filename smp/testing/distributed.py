@@ -1,0 +1,34 @@
+"""Helpers the multi-rank test cases share: whole and local views of (D)Tensors, this rank's
+rows of a global batch, and the world mean of a per-rank value."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import smp
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor is gathered, a plain tensor is itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece: a DTensor's local shard, a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_rows(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the global batch, by data-parallel rank (a TP group shares it)."""
+    per = batch.shape[0] // smp.state.dp_size
+    return batch[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
+
+
+def world_mean(value: torch.Tensor) -> float:
+    """Mean over all ranks of a per-rank scalar (e.g. the loss of its rows). TP ranks repeat
+    their group's value, so with equal shares this is the data-parallel mean."""
+    t = full_tensor(value.detach()).double().clone()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
