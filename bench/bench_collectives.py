@@ -43,6 +43,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _nic_tx_bytes() -> int | None:
+    """Bytes this host's NIC has sent (emulated nodes, see emulated_cluster.py), else None."""
+    nic = os.environ.get("GLOO_SOCKET_IFNAME")
+    path = Path(f"/sys/class/net/{nic}/statistics/tx_bytes")
+    return int(path.read_text()) if nic and path.exists() else None
+
+
 def _run(algorithm: str, out: torch.Tensor, inp: torch.Tensor, comm) -> None:
     if algorithm == "default":
         dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG)
@@ -64,16 +71,18 @@ def bench_sizes(sizes_mib: list[float], reps: int, block: int, link_gbps: float,
             "fp8": sc.QuantizedReduceScatter("fp8", block, error_feedback=True),
         }
         times = {a: [] for a in ALGORITHMS}
-        sent = {}
+        sent, wire = {}, {a: [] for a in ALGORITHMS}
         for rep in range(reps + 1):  # rep 0 warms up (allocations, kernel compilation)
             for a in ALGORITHMS:
                 counters.reset()
                 dist.barrier()
                 _sync(device)
-                t0 = time.perf_counter()
+                tx0, t0 = _nic_tx_bytes(), time.perf_counter()
                 _run(a, out, inp, comms.get(a))
                 _sync(device)
                 dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+                if tx0 is not None:
+                    wire[a].append(_nic_tx_bytes() - tx0)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
                 if rep:
                     times[a].append(float(dt))
@@ -85,6 +94,7 @@ def bench_sizes(sizes_mib: list[float], reps: int, block: int, link_gbps: float,
                 size_mib=mib, algorithm=a, ms=1e3 * med, time_vs_default=med / base,
                 bytes_per_rank=sent[a], bytes_vs_fp32=sent[a] / sc.fp32_bytes_bound(numel, n),
                 bytes_measured=a != "default", link_ms=1e3 * sent[a] * 8 / (link_gbps * 1e9),
+                nic_tx_bytes=statistics.median(wire[a]) if wire[a] else None,
             ))
     return rows
 
@@ -101,18 +111,42 @@ def _median_time(fn, reps: int, device) -> float:
     return statistics.median(ts)
 
 
+def _chain_quantize(x, block, kind, residual):
+    """The textbook torch expression of quantise + error feedback (what the fused kernels
+    replace): ~10 element-wise kernels, each allocating its output. Bucket sizes divide `block`."""
+    rows, cols = x.shape
+    c = x.float() + residual
+    tiles = c.view(rows, -1, block)
+    scale = tiles.abs().amax(dim=-1) / sc.quantization.QMAX[kind]
+    y = tiles / torch.where(scale > 0, scale, 1.0)[..., None]
+    codes = y.round().clamp(-127, 127).to(torch.int8) if kind == "int8" else y.clamp(-448, 448).to(torch.float8_e4m3fn)
+    residual.copy_((tiles - codes.float() * scale[..., None]).view(rows, cols))
+    return codes, scale
+
+
+def _chain_dequantize_accumulate(codes, scale, block, divisor):
+    rows = codes.shape[0]
+    return sum(codes[r].float() * scale[r][:, None] for r in range(rows)).view(-1) / divisor
+
+
 def bench_kernels(mib: float, block: int, reps: int, device) -> list[dict]:
-    """Quantise(+error feedback) and dequantise-accumulate: torch chain vs fused Triton (GPU)."""
+    """Quantise(+error feedback) and dequantise-accumulate of one bucket: the unfused torch
+    chain vs smp_collectives' torch path (in place, the CPU path) vs fused Triton (GPU)."""
     rows_n = 4
-    x = torch.randn(rows_n, int(mib * 2**20) // 4 // rows_n, device=device)
-    impls = ["torch"] + (["triton"] if device.type == "cuda" else [])
+    x = torch.randn(rows_n, int(mib * 2**20) // 4 // rows_n // block * block, device=device)
+    impls = ["chain", "torch"] + (["triton"] if device.type == "cuda" else [])
     out = []
     for kind in ("int8", "fp8"):
         for impl in impls:
             res = torch.zeros_like(x)
-            t_q = _median_time(lambda: sc.quantize(x, block, kind, res, impl=impl), reps, device)
-            q, s = sc.quantize(x, block, kind, impl=impl)
-            t_d = _median_time(lambda: sc.dequantize_accumulate(q, s, block, kind, 4.0, impl=impl), reps, device)
+            if impl == "chain":
+                codes, s = _chain_quantize(x, block, kind, res)
+                t_q = _median_time(lambda: _chain_quantize(x, block, kind, res), reps, device)
+                t_d = _median_time(lambda: _chain_dequantize_accumulate(codes, s, block, 4.0), reps, device)
+            else:
+                t_q = _median_time(lambda: sc.quantize(x, block, kind, res, impl=impl), reps, device)
+                q, s = sc.quantize(x, block, kind, impl=impl)
+                t_d = _median_time(lambda: sc.dequantize_accumulate(q, s, block, kind, 4.0, impl=impl), reps, device)
             gb = x.numel() * 4 / 1e9
             out.append(dict(kind=kind, impl=impl, size_mib=mib,
                             quantize_ef_gbps=gb / t_q, dequant_acc_gbps=gb / t_d,
@@ -170,6 +204,9 @@ def main() -> None:
     args = parser.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    emulated_mbit = os.environ.get("SMP_EMULATED_LINK_MBIT")  # set by bench/emulated_cluster.py
+    if emulated_mbit:
+        args.link_gbps = float(emulated_mbit) / 1e3
     dist.init_process_group(backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     if backend == "nccl":
@@ -191,20 +228,24 @@ def main() -> None:
             out.write_text(json.dumps(dict(world_size=n, steps=args.train_steps, final_loss=final), indent=2))
             print(f"wrote {out}")
     if rank == 0 and rows:
-        print(f"reduce-scatter, world {n}, {backend}, block {args.block}, link model {args.link_gbps} Gbit/s")
-        print(f"{'MiB':>5} {'algorithm':>9} {'ms':>9} {'x default':>9} {'bytes/rank':>11} {'x fp32':>7} {'link ms':>8}")
+        where = f"emulated nodes, {emulated_mbit} Mbit/s NICs" if emulated_mbit else f"link model {args.link_gbps} Gbit/s"
+        print(f"reduce-scatter, world {n}, {backend}, block {args.block}, {where}")
+        print(f"{'MiB':>5} {'algorithm':>9} {'ms':>9} {'x default':>9} {'bytes/rank':>11} {'x fp32':>7} {'link ms':>8} {'NIC tx':>11}")
         for r in rows:
             mark = "" if r["bytes_measured"] else "*"
+            nic = f"{r['nic_tx_bytes']:>11.0f}" if r["nic_tx_bytes"] is not None else f"{'-':>11}"
             print(f"{r['size_mib']:>5g} {r['algorithm']:>9} {r['ms']:>9.2f} {r['time_vs_default']:>9.2f} "
-                  f"{r['bytes_per_rank']:>10d}{mark:1} {r['bytes_vs_fp32']:>7.3f} {r['link_ms']:>8.2f}")
+                  f"{r['bytes_per_rank']:>10d}{mark:1} {r['bytes_vs_fp32']:>7.3f} {r['link_ms']:>8.2f} {nic}")
         print("* (N-1)/N x S: the process group's collective is not instrumented")
         print(f"\nquantisation kernels on {device.type}, {args.kernel_mib:g} MiB fp32 input")
         for k in kernels:
             print(f"{k['kind']:>5} {k['impl']:>7}: quantize+EF {k['quantize_ef_gbps']:.2f} GB/s "
                   f"({k['quantize_ef_ms']:.1f} ms), dequant+acc {k['dequant_acc_gbps']:.2f} GB/s ({k['dequant_acc_ms']:.1f} ms)")
-        out = Path(__file__).parent / "results" / f"collectives_w{n}_{backend}.json"
+        suffix = f"_emulated{emulated_mbit}mbit" if emulated_mbit else ""
+        out = Path(__file__).parent / "results" / f"collectives_w{n}_{backend}{suffix}.json"
         out.write_text(json.dumps(dict(
-            world_size=n, backend=backend, block=args.block, link_gbps=args.link_gbps, reps=args.reps,
+            world_size=n, backend=backend, emulated_link_mbit=float(emulated_mbit) if emulated_mbit else None,
+            block=args.block, link_gbps=args.link_gbps, reps=args.reps,
             cpu_threads=torch.get_num_threads(), torch=torch.__version__, reduce_scatter=rows, kernels=kernels,
         ), indent=2))
         print(f"wrote {out}")

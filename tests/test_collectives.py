@@ -102,6 +102,25 @@ def test_fp8_decode_every_code():
     assert torch.equal(Q.dequantize_torch(codes, scale, 16, "fp8"), triton_kernels.dequantize(codes, scale, 16, "fp8"))
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_torch_path_workspace_reuse_leaves_no_trace(kind):
+    """The CPU path reuses one scratch buffer across calls: a call on a large bucket full of
+    NaN/inf must not change the result of a later, smaller call with short last blocks."""
+    x = _wide_range(3, 37, seed=11)
+    res = torch.randn(3, 37) * 1e-3
+    before = Q.quantize_torch(x, 16, kind, res.clone()), Q.dequantize_accumulate_torch(*Q.quantize_torch(x, 16, kind), 16, kind)
+    junk = torch.full((5, 4096), float("nan"))
+    junk[:, ::2] = float("inf")
+    Q.quantize_torch(junk, 256, kind, torch.zeros_like(junk))
+    Q.dequantize_accumulate_torch(*Q.quantize_torch(junk, 256, kind), 256, kind)
+    res_after = res.clone()
+    (q1, s1), acc1 = before
+    q2, s2 = Q.quantize_torch(x, 16, kind, res_after)
+    acc2 = Q.dequantize_accumulate_torch(*Q.quantize_torch(x, 16, kind), 16, kind)
+    assert torch.equal(q1, q2) and torch.equal(s1, s2) and torch.equal(acc1, acc2)
+    assert torch.isfinite(res_after).all() and torch.isfinite(acc2).all()
+
+
 # ------------------------------------------------------------------------------------------
 # Error bounds and error feedback
 
