@@ -1,19 +1,24 @@
 """Gradient reduce-scatter: the process group's own vs smp_collectives' ring / int8 / fp8,
-side by side in one run; then quantisation kernel throughput (fused Triton vs the torch chain).
+side by side in one run; then quantisation kernel throughput (the unfused torch chain vs
+smp_collectives' torch path on CPU, vs the fused Triton kernels on GPUs).
 
     torchrun --standalone --nproc-per-node 2 bench/bench_collectives.py [--sizes-mib 1 4 16 64] [--reps 3]
     torchrun --standalone --nproc-per-node 4 bench/bench_collectives.py
     torchrun --standalone --nproc-per-node 2 bench/bench_collectives.py --sizes-mib --kernel-mib 0 --train-steps 200
+    # bandwidth-bound: N emulated nodes with 1 Gbit/s NICs (root; see emulated_cluster.py)
+    sudo python bench/emulated_cluster.py --nodes 4 --link-mbit 1000 -- bench/bench_collectives.py --kernel-mib 0
 
 For each fp32 bucket size S (MiB of the reduce-scatter input per rank) and algorithm, the
 algorithms run interleaved (default, ring, int8, fp8, default, ...) so that machine noise hits
 them alike; a barrier aligns ranks before each call and the reported time is the median over
 repetitions of the slowest rank's time. Bytes are what this rank put on the wire, counted by
 `smp_collectives.counters`; the process group's own collective is not instrumented, so its row
-shows the bandwidth-optimal (N-1)/N x S it cannot beat (NCCL's ring and gloo both achieve it).
-`link_ms` models a bandwidth-bound network: bytes / --link-gbps (default 100 Gbit/s, an
-inter-node EFA-class link per rank), the regime compression is for. Backend: NCCL when CUDA is
-available (one GPU per rank), else gloo. Writes bench/results/collectives_w{N}_{backend}.json.
+shows the bandwidth-optimal (N-1)/N x S. On emulated nodes the NIC's own transmit counter is
+reported too (everything sent, TCP headers included): it shows what gloo's reduce-scatter
+really sends (2x the bound). `link_ms` models the wire time at --link-gbps (default 100 Gbit/s,
+an EFA-class link per rank; the emulated rate when run by emulated_cluster.py). Backend: NCCL
+when CUDA is available (one GPU per rank), else gloo. Writes
+bench/results/collectives_w{N}_{backend}[_emulated{M}mbit].json.
 
 `--train-steps K` adds the training effect: a tiny Llama trained K AdamW steps through
 smp.transform with each gradient_sync setting (same init, same batches), mean loss of the
@@ -81,9 +86,11 @@ def bench_sizes(sizes_mib: list[float], reps: int, block: int, link_gbps: float,
                 _run(a, out, inp, comms.get(a))
                 _sync(device)
                 dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-                if tx0 is not None:
-                    wire[a].append(_nic_tx_bytes() - tx0)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
+                if tx0 is not None:
+                    # Read after every rank is done: a rank can finish receiving while its own
+                    # sends still sit in its NIC queue. (The 8-byte all-reduce is noise.)
+                    wire[a].append(_nic_tx_bytes() - tx0)
                 if rep:
                     times[a].append(float(dt))
                 sent[a] = counters.bytes_sent() if a != "default" else sc.fp32_bytes_bound(numel, n)
@@ -237,7 +244,8 @@ def main() -> None:
             print(f"{r['size_mib']:>5g} {r['algorithm']:>9} {r['ms']:>9.2f} {r['time_vs_default']:>9.2f} "
                   f"{r['bytes_per_rank']:>10d}{mark:1} {r['bytes_vs_fp32']:>7.3f} {r['link_ms']:>8.2f} {nic}")
         print("* (N-1)/N x S: the process group's collective is not instrumented")
-        print(f"\nquantisation kernels on {device.type}, {args.kernel_mib:g} MiB fp32 input")
+        if kernels:
+            print(f"\nquantisation kernels on {device.type}, {args.kernel_mib:g} MiB fp32 input")
         for k in kernels:
             print(f"{k['kind']:>5} {k['impl']:>7}: quantize+EF {k['quantize_ef_gbps']:.2f} GB/s "
                   f"({k['quantize_ef_ms']:.1f} ms), dequant+acc {k['dequant_acc_gbps']:.2f} GB/s ({k['dequant_acc_ms']:.1f} ms)")
