@@ -103,6 +103,27 @@ def test_fp8_decode_every_code():
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_torch_path_spans_do_not_change_results(kind, monkeypatch):
+    """The CPU path works through a bucket in column spans (cache-sized); with spans forced to
+    a few blocks (ending mid-row, a short last block), every result still equals Triton's."""
+    monkeypatch.setattr(Q, "_SPAN_ELEMENTS", 64 * 3)
+    monkeypatch.setattr(Q, "_MIN_SPAN_COLS", 16)
+    assert len(list(Q._spans(4, 1000, 64))) > 3
+    x = _wide_range(4, 1000, seed=3)
+    res_t = torch.randn(4, 1000) * 1e-3
+    res_k = res_t.clone()
+    out = torch.full((4, 1100), 7, dtype=torch.uint8)[:, :1000]  # rows strided, like a message buffer
+    q_t, s_t = Q.quantize_torch(x, 64, kind, res_t, out=out)
+    q_k, s_k = triton_kernels.quantize(x, 64, kind, res_k)
+    assert q_t.data_ptr() == out.data_ptr()
+    assert torch.equal(q_t, q_k) and torch.equal(s_t, s_k) and torch.equal(res_t, res_k)
+    acc = torch.full((1000,), float("nan"))
+    Q.dequantize_accumulate_torch(q_k, s_k, 64, kind, divisor=3.0, out=acc)
+    assert torch.equal(acc, triton_kernels.dequantize_accumulate(q_k, s_k, 64, kind, divisor=3.0))
+    assert torch.equal(Q.dequantize_torch(q_k, s_k, 64, kind), triton_kernels.dequantize(q_k, s_k, 64, kind))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_torch_path_workspace_reuse_leaves_no_trace(kind):
     """The CPU path reuses one scratch buffer across calls: a call on a large bucket full of
     NaN/inf must not change the result of a later, smaller call with short last blocks."""

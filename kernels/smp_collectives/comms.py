@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from smp_collectives import counters, ring
 from smp_collectives.error_feedback import Residual
-from smp_collectives.quantization import _check, dequantize, dequantize_accumulate, num_blocks, quantize
+from smp_collectives.quantization import _check, _workspace, dequantize, dequantize_accumulate, num_blocks, quantize
 
 
 class _Alloc:
@@ -37,11 +37,6 @@ class RingAllGather(_Alloc):
 
 # ------------------------------------------------------------------------------------------
 # Block-quantised exchange
-
-
-def _pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] codes + [rows, blocks] fp32 scales -> one uint8 message per row."""
-    return torch.cat([q, scale.view(torch.uint8)], dim=1)
 
 
 def _unpack(buf: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,13 +65,22 @@ def quantized_reduce_scatter(
     n = dist.get_world_size(group)
     chunks = input.reshape(n, -1)
     cols = chunks.shape[1]
-    q, scale = quantize(chunks, block, kind, residual, impl=impl)
-    send = _pack(q, scale)
-    recv = torch.empty_like(send)
+    # Row r of the message to rank r: its chunk's codes, then their scales. Both message
+    # buffers are reused across calls (see `_workspace`): on CPU, fresh bucket-sized buffers
+    # cost more in page faults than the quantisation itself.
+    width = cols + 4 * num_blocks(cols, block)
+    send = _workspace(input.device, "reduce_scatter.send", n * width, torch.uint8).view(n, width)
+    recv = _workspace(input.device, "reduce_scatter.recv", n * width, torch.uint8).view(n, width)
+    _, scale = quantize(chunks, block, kind, residual, impl=impl, out=send[:, :cols])
+    send[:, cols:].copy_(scale.view(torch.uint8))
     dist.all_to_all_single(recv, send, group=group)
-    counters.record(name or f"{kind}.reduce_scatter", (n - 1) * send.shape[1])
+    counters.record(name or f"{kind}.reduce_scatter", (n - 1) * width)
     rq, rs = _unpack(recv, cols)
-    output.copy_(dequantize_accumulate(rq, rs, block, kind, _op_divisor(op, n), impl=impl).view_as(output))
+    divisor = _op_divisor(op, n)
+    if output.is_contiguous() and output.dtype == torch.float32:
+        dequantize_accumulate(rq, rs, block, kind, divisor, impl=impl, out=output.view(-1))
+    else:
+        output.copy_(dequantize_accumulate(rq, rs, block, kind, divisor, impl=impl).view_as(output))
     return output
 
 
@@ -89,13 +93,18 @@ def quantized_all_gather(
     values, so all ranks end with bitwise identical data."""
     n = dist.get_world_size(group)
     cols = input.numel()
-    q, scale = quantize(input.reshape(1, cols), block, kind, residual, impl=impl)
-    send = _pack(q, scale)
-    recv = torch.empty((n, send.shape[1]), dtype=torch.uint8, device=send.device)
-    dist.all_gather_single(recv, send, group=group)
-    counters.record(name or f"{kind}.all_gather", (n - 1) * send.numel())
+    width = cols + 4 * num_blocks(cols, block)
+    send = _workspace(input.device, "all_gather.send", width, torch.uint8).view(1, width)
+    recv = _workspace(input.device, "all_gather.recv", n * width, torch.uint8).view(n, width)
+    _, scale = quantize(input.reshape(1, cols), block, kind, residual, impl=impl, out=send[:, :cols])
+    send[:, cols:].copy_(scale.view(torch.uint8))
+    dist.all_gather_into_tensor(recv, send, group=group)
+    counters.record(name or f"{kind}.all_gather", (n - 1) * width)
     rq, rs = _unpack(recv, cols)
-    output.view(n, cols).copy_(dequantize(rq, rs, block, kind, impl=impl))
+    if output.is_contiguous() and output.dtype == torch.float32:
+        dequantize(rq, rs, block, kind, impl=impl, out=output.view(n, cols))
+    else:
+        output.view(n, cols).copy_(dequantize(rq, rs, block, kind, impl=impl))
     return output
 
 
@@ -140,11 +149,12 @@ class CrossReplicaAllReduce:
             return
         flat = grad.reshape(-1)
         cols = -(-flat.numel() // n)
-        padded = torch.zeros(n * cols, dtype=torch.float32, device=grad.device)
-        padded[: flat.numel()] = flat
+        padded = _workspace(grad.device, "cross_replica.padded", n * cols)
+        padded[: flat.numel()].copy_(flat)
+        padded[flat.numel() :].zero_()
         res1 = self.residuals[0].get((n, cols), grad.device) if self.residuals else None
         res2 = self.residuals[1].get((1, cols), grad.device) if self.residuals else None
-        mine = torch.empty(cols, dtype=torch.float32, device=grad.device)
+        mine = _workspace(grad.device, "cross_replica.mine", cols)
         name = f"cross_replica.{self.kind}"
         quantized_reduce_scatter(mine, padded, self.group, dist.ReduceOp.AVG, kind=self.kind,
                                  block=self.block, residual=res1, impl=self.impl, name=name + ".reduce_scatter")

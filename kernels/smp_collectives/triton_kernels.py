@@ -141,11 +141,15 @@ def quantize(x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | No
     return q, scale
 
 
-def dequantize_accumulate(q: torch.Tensor, scale: torch.Tensor, block: int, kind: str, divisor: float = 1.0):
+def dequantize_accumulate(
+    q: torch.Tensor, scale: torch.Tensor, block: int, kind: str, divisor: float = 1.0, out: torch.Tensor | None = None
+):
     _check(kind, block)
     rows, cols = q.shape
     nb = num_blocks(cols, block)
-    out = torch.empty(cols, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(cols, dtype=torch.float32, device=q.device)
+    assert out.is_contiguous() and out.dtype == torch.float32 and out.numel() == cols
     group = _group(block)
     _dequantize_accumulate_kernel[(triton.cdiv(nb, group),)](
         q.contiguous(), scale.contiguous(), out, rows, cols, nb, float(divisor),
@@ -154,12 +158,16 @@ def dequantize_accumulate(q: torch.Tensor, scale: torch.Tensor, block: int, kind
     return out
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, kind: str) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, block: int, kind: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each row decoded on its own (no sum), in one launch: rows on grid axis 1."""
     _check(kind, block)
     rows, cols = q.shape
     nb = num_blocks(cols, block)
-    out = torch.empty((rows, cols), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty((rows, cols), dtype=torch.float32, device=q.device)
+    assert out.is_contiguous() and out.dtype == torch.float32 and out.numel() == rows * cols
     group = _group(block)
     _dequantize_accumulate_kernel[(triton.cdiv(nb, group), rows)](
         q.contiguous(), scale.contiguous(), out, 1, cols, nb, 1.0,
