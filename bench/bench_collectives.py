@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import smp_collectives as sc
+from emulated_cluster import nic_tx_bytes  # bench/ is on sys.path when run as a script
 from smp_collectives import counters
 
 ALGORITHMS = ("default", "ring", "int8", "fp8")
@@ -46,13 +47,6 @@ ALGORITHMS = ("default", "ring", "int8", "fp8")
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _nic_tx_bytes() -> int | None:
-    """Bytes this host's NIC has sent (emulated nodes, see emulated_cluster.py), else None."""
-    nic = os.environ.get("GLOO_SOCKET_IFNAME")
-    path = Path(f"/sys/class/net/{nic}/statistics/tx_bytes")
-    return int(path.read_text()) if nic and path.exists() else None
 
 
 def _run(algorithm: str, out: torch.Tensor, inp: torch.Tensor, comm) -> None:
@@ -82,7 +76,7 @@ def bench_sizes(sizes_mib: list[float], reps: int, block: int, link_gbps: float,
                 counters.reset()
                 dist.barrier()
                 _sync(device)
-                tx0, t0 = _nic_tx_bytes(), time.perf_counter()
+                tx0, t0 = nic_tx_bytes(), time.perf_counter()
                 _run(a, out, inp, comms.get(a))
                 _sync(device)
                 dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
@@ -90,7 +84,7 @@ def bench_sizes(sizes_mib: list[float], reps: int, block: int, link_gbps: float,
                 if tx0 is not None:
                     # Read after every rank is done: a rank can finish receiving while its own
                     # sends still sit in its NIC queue. (The 8-byte all-reduce is noise.)
-                    wire[a].append(_nic_tx_bytes() - tx0)
+                    wire[a].append(nic_tx_bytes() - tx0)
                 if rep:
                     times[a].append(float(dt))
                 sent[a] = counters.bytes_sent() if a != "default" else sc.fp32_bytes_bound(numel, n)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import smp
+from emulated_cluster import nic_tx_bytes  # bench/ is on sys.path when run as a script
 from smp.testing.models import tiny_llama_config
 
 HYBRID_SETTINGS = {
@@ -44,12 +45,6 @@ FLAT_SETTINGS = {
     "int8": {"algorithm": "int8"},
     "fp8": {"algorithm": "fp8"},
 }
-
-
-def _nic_tx_bytes() -> int | None:
-    nic = os.environ.get("GLOO_SOCKET_IFNAME")
-    path = Path(f"/sys/class/net/{nic}/statistics/tx_bytes")
-    return int(path.read_text()) if nic and path.exists() else None
 
 
 def main() -> None:
@@ -99,7 +94,7 @@ def main() -> None:
                 batch = torch.randint(0, args.vocab, (dp_size, args.seq), generator=g)[dp_rank : dp_rank + 1]
                 smp.gradient_sync_bytes(reset=True)
                 dist.barrier()
-                tx0, t0 = _nic_tx_bytes(), time.perf_counter()
+                tx0, t0 = nic_tx_bytes(), time.perf_counter()
                 loss = model(input_ids=batch, labels=batch).loss
                 loss.backward()
                 optims[name].step()
@@ -109,7 +104,7 @@ def main() -> None:
                 if rnd:
                     times[name].append(dt)
                     if tx0 is not None:
-                        nic[name].append(_nic_tx_bytes() - tx0)
+                        nic[name].append(nic_tx_bytes() - tx0)
                     counted[name].append(smp.gradient_sync_bytes()["total"])
                 last = loss.detach().clone()
                 dist.all_reduce(last)

@@ -30,6 +30,13 @@ import uuid
 SUBNET = "10.99.0"
 
 
+def nic_tx_bytes() -> int | None:
+    """Inside a job run by this tool: bytes this node's NIC has sent so far (None elsewhere)."""
+    nic = os.environ.get("GLOO_SOCKET_IFNAME")
+    path = f"/sys/class/net/{nic}/statistics/tx_bytes"
+    return int(open(path).read()) if nic and os.path.exists(path) else None
+
+
 def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
