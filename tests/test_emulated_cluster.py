@@ -32,11 +32,20 @@ dist.destroy_process_group()
 
 
 def _can_emulate() -> bool:
+    """Root, iproute2, network namespaces, veth pairs and the tbf qdisc all usable here."""
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         return False
-    probe = subprocess.run(["ip", "netns", "add", "smp-probe-ns"], capture_output=True)
-    subprocess.run(["ip", "netns", "del", "smp-probe-ns"], capture_output=True)
-    return probe.returncode == 0
+    ns = f"smp-probe-{os.getpid()}"
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "netns", "exec", ns, "ip", "link", "add", "vprobe0", "type", "veth", "peer", "name", "vprobe1"],
+        ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "vprobe0", "root", "tbf",
+         "rate", "100mbit", "burst", "64kb", "latency", "20ms"],
+    ]
+    try:
+        return all(subprocess.run(cmd, capture_output=True).returncode == 0 for cmd in steps)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 pytestmark = [
