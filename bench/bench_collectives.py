@@ -155,17 +155,10 @@ def bench_kernels(mib: float, block: int, reps: int, device) -> list[dict]:
     return out
 
 
-def _pattern_batch(g: torch.Generator, batch: int, seq: int, vocab: int) -> torch.Tensor:
-    """Even positions random, odd ones a fixed function of the previous token: the loss falls
-    from ln(V) towards a floor near ln(V)/2 instead of to 0, so 1% is a meaningful margin."""
-    x = torch.randint(0, vocab, (batch, seq), generator=g)
-    x[:, 1::2] = (x[:, 0::2] * 7 + 3) % vocab
-    return x
-
-
 def train_curves(steps: int) -> dict[str, float]:
     import smp
-    from smp.testing.models import build, loss_of
+    from smp.testing.distributed import local_rows, world_mean
+    from smp.testing.models import build, loss_of, pattern_batch
 
     settings = {
         "fp32": {}, "int8": {"gradient_sync": "int8"}, "fp8": {"gradient_sync": "fp8"},
@@ -178,17 +171,13 @@ def train_curves(steps: int) -> dict[str, float]:
         model = smp.transform(build("llama"))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(7)
-        per = 8 // smp.state.dp_size
         losses = []
         for _ in range(steps):
-            batch = _pattern_batch(g, 8, 16, 256)[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
-            loss = loss_of(model, batch)
+            loss = loss_of(model, local_rows(pattern_batch(g, 8, 16, 256)))
             loss.backward()
             opt.step()
             opt.zero_grad()
-            t = loss.detach().double().clone()
-            dist.all_reduce(t)
-            losses.append(float(t) / dist.get_world_size())
+            losses.append(world_mean(loss))
         final[name] = statistics.mean(losses[-20:])
         smp.shutdown()
     return final

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import smp
 import smp_collectives as sc
 from smp_collectives import counters
-from smp.testing.distributed import full_tensor
-from smp.testing.models import build, loss_of, random_batch
+from smp.testing.distributed import full_tensor, local_rows, world_mean
+from smp.testing.models import build, loss_of, pattern_batch, random_batch
 
 
 def _groups(split: bool) -> list[dist.ProcessGroup | None]:
@@ -28,7 +28,7 @@ def _groups(split: bool) -> list[dist.ProcessGroup | None]:
 def ring_vs_default(split: bool = False, cols: int = 37) -> dict:
     """Ring collectives vs the process group's own, on integer-valued fp32 inputs (exact sums)."""
     group = _groups(split)
-    n, r = dist.get_world_size(group), dist.get_rank(group)
+    n = dist.get_world_size(group)
     g = torch.Generator().manual_seed(1000 + dist.get_rank())
     x = torch.randint(-1000, 1000, (n * cols,), generator=g).float()
     out = {}
@@ -98,11 +98,6 @@ def cross_replica_hook_case(kind: str | None) -> torch.Tensor:
 # Through smp.transform
 
 
-def _rows(batch: torch.Tensor) -> torch.Tensor:
-    per = batch.shape[0] // smp.state.dp_size
-    return batch[smp.state.dp_rank * per : (smp.state.dp_rank + 1) * per]
-
-
 def train_grads(config: dict, kind: str, steps: int = 2) -> dict:
     """`steps` SGD steps through smp.transform: per-step global-mean loss, final full gradients,
     sync bytes of the last step. Runs the single-process reference alongside for comparison."""
@@ -118,14 +113,12 @@ def train_grads(config: dict, kind: str, steps: int = 2) -> dict:
         for step in range(steps):
             smp.gradient_sync_bytes(reset=True)
             batch = random_batch(8, 16, vocab, seed=100 + step)
-            loss = loss_of(model, _rows(batch))
+            loss = loss_of(model, local_rows(batch))
             loss.backward()
             sent = smp.gradient_sync_bytes()
             ref_loss = loss_of(reference, batch)
             ref_loss.backward()
-            t = loss.detach().double().clone()
-            dist.all_reduce(t)
-            losses.append(float(t) / dist.get_world_size())
+            losses.append(world_mean(loss))
             ref_losses.append(float(ref_loss))
             ref_grads = dict(reference.named_parameters())
             grads = {name: full_tensor(p.grad).clone() for name, p in model.named_parameters()}
@@ -135,14 +128,6 @@ def train_grads(config: dict, kind: str, steps: int = 2) -> dict:
         return {"losses": losses, "ref_losses": ref_losses, "grad_diff": grad_diff, "grads": grads, "bytes": sent}
     finally:
         smp.shutdown()
-
-
-def _pattern_batch(g: torch.Generator, batch: int, seq: int, vocab: int) -> torch.Tensor:
-    """Even positions random, odd positions a fixed function of the previous token: half the
-    tokens are learnable, so the loss falls from ln(V) to a floor near ln(V)/2, not to 0."""
-    x = torch.randint(0, vocab, (batch, seq), generator=g)
-    x[:, 1::2] = (x[:, 0::2] * 7 + 3) % vocab
-    return x
 
 
 def loss_curve(config: dict, steps: int) -> list[float]:
@@ -155,14 +140,12 @@ def loss_curve(config: dict, steps: int) -> list[float]:
         g = torch.Generator().manual_seed(7)
         curve = []
         for _ in range(steps):
-            batch = _pattern_batch(g, 8, 16, 256)
-            loss = loss_of(model, _rows(batch))
+            batch = pattern_batch(g, 8, 16, 256)
+            loss = loss_of(model, local_rows(batch))
             loss.backward()
             opt.step()
             opt.zero_grad()
-            t = loss.detach().double().clone()
-            dist.all_reduce(t)
-            curve.append(float(t) / dist.get_world_size())
+            curve.append(world_mean(loss))
         return curve
     finally:
         smp.shutdown()

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import smp
-from smp.testing.distributed import full_tensor, local_rows, local_tensor, world_mean
+from smp.testing.distributed import full_tensor, local_rows, local_tensor, max_grad_diff, world_mean
 from smp.testing.models import build, loss_of, random_batch
 
 GLOBAL_BATCH, SEQ = 8, 16
@@ -50,10 +50,7 @@ def equivalence(config: dict, kind: str, steps: int = 2, break_sync: bool = Fals
             ref_loss.backward()
             report["losses"].append(float(ref_loss))
             report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss)))
-            ref_grads = dict(reference.named_parameters())
-            for name, p in model.named_parameters():
-                g = full_tensor(p.grad)
-                report["grad_diff"] = max(report["grad_diff"], float((g - ref_grads[name].grad).abs().max()))
+            report["grad_diff"] = max(report["grad_diff"], max_grad_diff(model, reference))
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
         return report
@@ -97,11 +94,7 @@ def clip_equivalence(config: dict) -> tuple[float, float]:
         loss_of(reference, batch).backward()
         norm = smp.clip_grad_norm_(model, 0.01)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
-        grad_diff = max(
-            float((full_tensor(p.grad) - r.grad).abs().max())
-            for p, r in zip(model.parameters(), reference.parameters())
-        )
-        return abs(float(norm) - float(ref_norm)), grad_diff
+        return abs(float(norm) - float(ref_norm)), max_grad_diff(model, reference)
     finally:
         smp.shutdown()
 
@@ -120,10 +113,7 @@ def accumulation_equivalence(config: dict) -> float:
             (loss_of(model, local[:half]) / 2).backward()
         (loss_of(model, local[half:]) / 2).backward()
         loss_of(reference, batch).backward()
-        return max(
-            float((full_tensor(p.grad) - r.grad).abs().max())
-            for p, r in zip(model.parameters(), reference.parameters())
-        )
+        return max_grad_diff(model, reference)
     finally:
         smp.shutdown()
 

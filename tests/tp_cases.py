@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import smp
 from smp.tensor_parallel import causal_lm_loss, loss_parallel
-from smp.testing.distributed import full_tensor, local_rows, world_mean
+from smp.testing.distributed import full_tensor, local_rows, max_grad_diff, world_mean
 from smp.testing.models import TinyTransformer, random_batch, tiny_llama
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
@@ -25,6 +25,11 @@ USER_PLAN = {
     "layers.*.down": "rowwise",
     "head": "colwise_gather_output",
 }
+
+
+def _plan(kind: str) -> dict | None:
+    """The user model needs its plan passed; the HF models bring their own."""
+    return USER_PLAN if kind == "user" else None
 
 
 def build(kind: str) -> nn.Module:
@@ -79,7 +84,7 @@ def equivalence(config: dict, kind: str, steps: int = 2, hf_loss: bool = True, c
         torch.manual_seed(smp.state.config.random_seed)
         reference = build(kind)
         model = copy.deepcopy(reference)
-        plan = USER_PLAN if kind == "user" else None
+        plan = _plan(kind)
         model = smp.transform(model, tp_plan=plan)
         if corrupt:
             _skip_one_all_reduce(model)
@@ -99,10 +104,7 @@ def equivalence(config: dict, kind: str, steps: int = 2, hf_loss: bool = True, c
             ref_loss.backward()
             report["losses"].append(float(ref_loss))
             report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss)))
-            ref_params = dict(reference.named_parameters())
-            for name, p in model.named_parameters():
-                g = full_tensor(p.grad)
-                report["grad_diff"] = max(report["grad_diff"], float((g - ref_params[name].grad).abs().max()))
+            report["grad_diff"] = max(report["grad_diff"], max_grad_diff(model, reference))
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
         return report
@@ -131,7 +133,7 @@ def plan_of(config: dict, kind: str) -> dict:
     smp.init(config)
     try:
         torch.manual_seed(0)
-        model = smp.transform(build(kind), tp_plan=USER_PLAN if kind == "user" else None)
+        model = smp.transform(build(kind), tp_plan=_plan(kind))
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         return {"source": model._smp_tp_plan_source, "plan": dict(model._smp_tp_plan),
                 "tied": head.weight is embed.weight}
@@ -163,15 +165,13 @@ def clip_equivalence(config: dict, kind: str) -> tuple[float, float]:
     try:
         torch.manual_seed(0)
         reference = build(kind)
-        model = smp.transform(copy.deepcopy(reference), tp_plan=USER_PLAN if kind == "user" else None)
+        model = smp.transform(copy.deepcopy(reference), tp_plan=_plan(kind))
         batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=7)
         loss_of(model, local_rows(batch)).backward()
         loss_of(reference, batch).backward()
         norm = smp.clip_grad_norm_(model, 0.01)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
-        ref_params = dict(reference.named_parameters())
-        grad_diff = max(float((full_tensor(p.grad) - ref_params[n].grad).abs().max()) for n, p in model.named_parameters())
-        return abs(float(norm) - float(ref_norm)), grad_diff
+        return abs(float(norm) - float(ref_norm)), max_grad_diff(model, reference)
     finally:
         smp.shutdown()
 
@@ -192,7 +192,7 @@ def logits_layout(config: dict, kind: str) -> str:
     smp.init(config)
     try:
         torch.manual_seed(0)
-        model = smp.transform(build(kind), tp_plan=USER_PLAN if kind == "user" else None)
+        model = smp.transform(build(kind), tp_plan=_plan(kind))
         ids = random_batch(2, SEQ, VOCAB, seed=1)
         out = model(ids) if kind == "user" else model(input_ids=ids).logits
         if isinstance(out, DTensor):
@@ -209,7 +209,7 @@ def param_bytes(config: dict, kind: str) -> tuple[int, int]:
         torch.manual_seed(0)
         model = build(kind)
         full = sum(p.numel() * p.element_size() for p in model.parameters())
-        model = smp.transform(model, tp_plan=USER_PLAN if kind == "user" else None)
+        model = smp.transform(model, tp_plan=_plan(kind))
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
         return local, full
     finally:
@@ -226,7 +226,7 @@ def delayed_init_params(config: dict, kind: str) -> float:
         torch.manual_seed(smp.state.config.random_seed)
         with torch.device("meta"):
             model = build(kind)
-        model = smp.transform(model, tp_plan=USER_PLAN if kind == "user" else None)
+        model = smp.transform(model, tp_plan=_plan(kind))
         ref_params = dict(reference.named_parameters())
         return max(float((full_tensor(p.detach()) - ref_params[n]).abs().max()) for n, p in model.named_parameters())
     finally:
@@ -264,7 +264,7 @@ def full_state_dict_diff(config: dict, kind: str) -> tuple[list[str], float]:
     try:
         torch.manual_seed(0)
         reference = build(kind)
-        model = smp.transform(copy.deepcopy(reference), tp_plan=USER_PLAN if kind == "user" else None)
+        model = smp.transform(copy.deepcopy(reference), tp_plan=_plan(kind))
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         ref = reference.state_dict()
         keys = sorted(set(full) ^ set(ref))

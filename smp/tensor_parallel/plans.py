@@ -84,15 +84,13 @@ def _base_prefix(model: nn.Module) -> str:
     return ""
 
 
+def _name_of(model: nn.Module, module: nn.Module | None) -> str | None:
+    return next((name for name, m in model.named_modules() if m is module), None) if module is not None else None
+
+
 def _head_name(model: nn.Module) -> str | None:
     get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if head is None:
-        return None
-    for name, module in model.named_modules():
-        if module is head:
-            return name
-    return None
+    return _name_of(model, get() if callable(get) else None)
 
 
 def _input_embedding_name(model: nn.Module) -> str | None:
@@ -101,12 +99,7 @@ def _input_embedding_name(model: nn.Module) -> str | None:
         emb = get() if callable(get) else None
     except (NotImplementedError, AttributeError):
         emb = None
-    if emb is None:
-        return None
-    for name, module in model.named_modules():
-        if module is emb:
-            return name
-    return None
+    return _name_of(model, emb)
 
 
 def resolve_plan(model: nn.Module, user_plan: dict[str, StyleSpec] | None, config_plan: dict[str, str] | None) -> Plan:

@@ -1,5 +1,6 @@
 """Helpers the multi-rank test cases share: whole and local views of (D)Tensors, this rank's
-rows of a global batch, and the world mean of a per-rank value."""
+rows of a global batch, the world mean of a per-rank value, and the gradient gap to a
+single-process reference."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def local_rows(batch: torch.Tensor) -> torch.Tensor:
     """This rank's share of the global batch, by data-parallel rank (a TP group shares it)."""
     per = batch.shape[0] // smp.state.dp_size
     return batch[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
+
+
+def max_grad_diff(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """Largest |gradient - reference gradient| over all parameters, matched by name (the
+    sharded model's gradients gathered whole)."""
+    ref_params = dict(reference.named_parameters())
+    return max(float((full_tensor(p.grad) - ref_params[n].grad).abs().max()) for n, p in model.named_parameters())
 
 
 def world_mean(value: torch.Tensor) -> float:
