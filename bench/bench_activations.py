@@ -52,8 +52,12 @@ def build(base: torch.nn.Module, config: dict, device: torch.device):
     model = copy.deepcopy(base).to(device)
     blocks = find_blocks(model)
     cfg = load_config(config)
-    apply_activation_checkpointing(model, blocks, cfg)
-    apply_activation_offloading(model, blocks, cfg)
+    ac = cfg.activation_checkpointing
+    apply_activation_checkpointing(model, blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops)
+    if cfg.sm_activation_offloading:
+        apply_activation_offloading(
+            model, blocks, horizon=cfg.activation_loading_horizon, min_bytes=cfg.activation_offload_min_bytes
+        )
     return model, blocks
 
 

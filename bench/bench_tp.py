@@ -1,4 +1,4 @@
-"""Tensor parallel: bytes per rank at TP = 1, 2, 4, and smp vs hand-written TP + FSDP2 step time.
+"""Tensor parallel: bytes per rank at TP = 1, 2, 4, and smp vs torch-written TP + FSDP2 step time.
 
     torchrun --standalone --nproc-per-node 4 bench/bench_tp.py [--steps 10]
 
@@ -9,13 +9,18 @@ One Llama-shaped model (transformers LlamaConfig, same init everywhere), in one 
    - parameter bytes: this rank's local shards;
    - activation bytes: storages saved for backward during one forward (saved-tensor hooks,
      parameter storages left out, each storage counted once, local shards of DTensors).
-2. Step time (forward + backward + SGD step) on the 3-D mesh TP=2 x FSDP shard 2:
-   `smp.transform` vs the hand-written `parallelize_module` (same plan: the model's own
-   transformers plan, as torch styles) + `fully_shard` per decoder layer and the root.
-   Steps rotate between them (A B C, B C A, C A B, ...) so machine noise hits all alike; the
-   median step time of each and their ratio (target <= 1.05) are reported, with the loss
-   difference of the two (same init, same batches), and a second hand-written copy timed the
-   same way, whose ratio to the first is the noise floor of the machine.
+2. Step time (forward + backward + SGD step) on the 3-D mesh TP=2 x FSDP shard 2, without and
+   with sequence parallel: `smp.transform` vs the same plan written with torch alone
+   (`parallelize_module` + `fully_shard` per decoder layer and the root), two ways:
+   - torchtitan-style: torchtitan's Llama plan (`PrepareModuleInput` on each attention / MLP
+     region, so backward reduces each region's input gradient once, as smp does);
+   - naive (sequence parallel off only): one style per projection, so backward reduces the
+     input gradient once per colwise projection.
+   All rows take turns (A B C ..., B C ... A, ...) so machine noise hits all alike; reported:
+   the median step time of each, ratios (of medians, and the median of per-round ratios), the
+   loss difference (same init, same batches), the collectives of one step (CommDebugMode), and
+   a second torchtitan-style copy timed the same way, whose ratio to the first is the noise
+   floor of the machine.
 
 Writes bench/results/tp_w{world}.json.
 """
@@ -33,12 +38,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import smp
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from smp.config import load_config
 from smp.tensor_parallel import apply_tensor_parallel, loss_parallel
+from smp.transform import apply_parallelism
 from smp.testing.models import tiny_llama_config
 
 SEED = 0
@@ -92,7 +101,7 @@ def memory_case(args: argparse.Namespace, tp: int, sp: bool, lp: bool) -> dict:
     try:
         model = build_model(args)
         if tp > 1:
-            apply_tensor_parallel(model, smp.state.mesh["tp"], smp.state.config)
+            apply_tensor_parallel(model, smp.state.mesh["tp"], sequence_parallel=sp, loss_parallel=lp)
         params = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         with loss_parallel():  # a no-op unless loss_parallel is on
             acts = saved_activation_bytes(model, batch(args, 0, args.batch))
@@ -102,9 +111,13 @@ def memory_case(args: argparse.Namespace, tp: int, sp: bool, lp: bool) -> dict:
         smp.shutdown()
 
 
-def hand_written(model: nn.Module, mesh) -> nn.Module:
-    """What a user would write with torch alone for the same Llama plan and mesh."""
-    tp_mesh = mesh["tp"]
+def naive_tp(model: nn.Module, tp_mesh) -> None:
+    """Tensor parallel as a user first writes it with torch alone: one style per projection.
+
+    Each colwise projection turns the shared input into its own replicated DTensor, so backward
+    all-reduces the input gradient once per projection (q, k, v, gate, up: 11 all-reduces for
+    2 layers), not once per region.
+    """
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
@@ -116,51 +129,134 @@ def hand_written(model: nn.Module, mesh) -> nn.Module:
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),
         })
+
+
+def torchtitan_style_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """torchtitan's Llama plan (`apply_tp`) written for transformers' Llama modules.
+
+    `PrepareModuleInput` on self_attn and mlp makes each region's input one replicated DTensor
+    that its projections share, so backward reduces the input gradient once per region. HF
+    calls self_attn with `hidden_states=` (a keyword) and mlp positionally. Under sequence
+    parallel the residual stream stays a Shard(1) DTensor (`use_local_output=False` on the
+    layers that close a region), unlike torchtitan's plain local shards: HF builds positions
+    and masks from the stream's shape, which must be the full sequence.
+    """
+    stream = Shard(1) if sequence_parallel else Replicate()
+    local_stream = not sequence_parallel
+    root_plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=local_stream),
+        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        root_plan["model.norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, root_plan)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"], reshard_after_forward=False)
+        layer_plan = {
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": stream},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            ),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=local_stream),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=stream, use_local_output=local_stream),
+        }
+        if sequence_parallel:
+            layer_plan["input_layernorm"] = SequenceParallel()
+            layer_plan["post_attention_layernorm"] = SequenceParallel()
+        parallelize_module(layer, tp_mesh, layer_plan)
+
+
+def fully_shard_layers(model: nn.Module, dp_mesh) -> nn.Module:
+    """FSDP2 as smp applies it: one unit per decoder layer, then the root, kept gathered."""
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
     return model
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def step_collectives(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> dict[str, int]:
+    """Collectives of one training step, by op name (DTensor's and FSDP's alike)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        train_step(model, opt, ids)
+    return {str(op).rsplit(".", 1)[-1]: n for op, n in sorted(comm.get_comm_counts().items(), key=str)}
 
 
 def timing_case(args: argparse.Namespace) -> dict:
     smp.init({"tensor_parallel_degree": 2})
     try:
+        st = smp.state
+        mesh, tp_mesh, dp_mesh = st.mesh, st.mesh["tp"], st.mesh["dp_shard"]
         base = build_model(args)
-        ours = smp.transform(copy.deepcopy(base))
-        theirs = hand_written(copy.deepcopy(base), smp.state.mesh)
-        # A second copy of the hand-written model: the A/A ratio shows this machine's noise floor.
-        control = hand_written(copy.deepcopy(base), smp.state.mesh)
-        models = {"smp": ours, "hand": theirs, "hand_again": control}
+        sp_config = load_config({"tensor_parallel_degree": 2, "tensor_parallel": {"sequence_parallel": True}})
+
+        def baseline(plan, *plan_args) -> nn.Module:
+            model = copy.deepcopy(base)
+            plan(model, tp_mesh, *plan_args)
+            return fully_shard_layers(model, dp_mesh)
+
+        # Row name -> model. "_again" is a second copy of the same model: its ratio to the first
+        # is this machine's noise floor.
+        models = {
+            "smp": smp.transform(copy.deepcopy(base)),
+            "torchtitan_style": baseline(torchtitan_style_tp, False),
+            "torchtitan_style_again": baseline(torchtitan_style_tp, False),
+            "naive": baseline(naive_tp),
+            "smp_sp": apply_parallelism(copy.deepcopy(base), sp_config, st.dims, mesh, st.device),
+            "torchtitan_style_sp": baseline(torchtitan_style_tp, True),
+        }
         opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
         times: dict[str, list[float]] = {k: [] for k in models}
         losses: dict[str, list[float]] = {k: [] for k in models}
-        dp, dp_rank = smp.state.dp_size, smp.state.dp_rank
-        for step in range(args.steps + 1):  # step 0 warms up
+        collectives: dict[str, dict[str, int]] = {}
+        dp, dp_rank = st.dp_size, st.dp_rank
+        for step in range(args.steps + 2):  # step 0 warms up, step 1 counts collectives
             ids = batch(args, step, args.batch * dp)[dp_rank * args.batch:(dp_rank + 1) * args.batch]
-            # Alternate which goes first, so that neither always runs on a warmer cache.
-            order = list(models.items())
+            # Rows take turns going first (A B C ..., B C ... A, ...), so that machine noise hits
+            # all alike and none always runs on a warmer cache.
+            order = list(models)
             order = order[step % len(order):] + order[:step % len(order)]
-            for name, model in order:
+            for name in order:
                 dist.barrier()
+                if step == 1:
+                    collectives[name] = step_collectives(models[name], opts[name], ids)
+                    continue
                 t0 = time.perf_counter()
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opts[name].step()
-                opts[name].zero_grad()
+                loss = train_step(models[name], opts[name], ids)
                 dist.barrier()
                 if step:
                     times[name].append(time.perf_counter() - t0)
-                    losses[name].append(float(loss))
+                    losses[name].append(loss)
         med = {k: statistics.median(v) for k, v in times.items()}
+
+        def compare(a: str, b: str) -> dict:
+            return {
+                "ratio": med[a] / med[b],
+                # Median of per-step ratios: each pair ran in the same round, so it cancels slow
+                # drifts of a shared machine better than the ratio of medians.
+                "paired_ratio": statistics.median(x / y for x, y in zip(times[a], times[b])),
+                "max_loss_diff": max(abs(x - y) for x, y in zip(losses[a], losses[b])),
+            }
+
         return {
-            "mesh": smp.state.dims.describe(),
-            "smp_step_s": med["smp"], "hand_step_s": med["hand"], "ratio": med["smp"] / med["hand"],
-            # Median of per-step ratios: each pair ran back to back, so it cancels slow drifts
-            # of a shared machine better than the ratio of medians.
-            "paired_ratio": statistics.median(a / b for a, b in zip(times["smp"], times["hand"])),
-            "control_ratio": med["hand_again"] / med["hand"],
-            "control_paired_ratio": statistics.median(a / b for a, b in zip(times["hand_again"], times["hand"])),
-            "max_loss_diff": max(abs(a - b) for a, b in zip(losses["smp"], losses["hand"])),
+            "mesh": st.dims.describe(),
+            "rows": {k: {"step_s": med[k], "collectives_per_step": collectives[k]} for k in models},
+            "smp/torchtitan_style": compare("smp", "torchtitan_style"),
+            "smp/naive": compare("smp", "naive"),
+            "smp_sp/torchtitan_style_sp": compare("smp_sp", "torchtitan_style_sp"),
+            "noise_floor": compare("torchtitan_style_again", "torchtitan_style"),
         }
     finally:
         smp.shutdown()
@@ -195,9 +291,12 @@ def main() -> None:
                   f"({m['param_ratio_vs_tp1']:.3f})  activations/rank {m['activation_bytes'] / 2**20:7.2f} MiB "
                   f"({m['activation_ratio_vs_tp1']:.3f})")
         if timing:
-            print(f"{timing['mesh']}: smp {timing['smp_step_s']:.3f} s, hand-written {timing['hand_step_s']:.3f} s, "
-                  f"ratio {timing['ratio']:.3f} (paired {timing['paired_ratio']:.3f}); hand-written vs itself "
-                  f"{timing['control_ratio']:.3f} (paired {timing['control_paired_ratio']:.3f}), max loss diff {timing['max_loss_diff']:.2e}")
+            print(timing["mesh"])
+            for name, row in timing["rows"].items():
+                print(f"  {name:24} {row['step_s']:.3f} s/step  collectives/step {row['collectives_per_step']}")
+            for pair in ("smp/torchtitan_style", "smp/naive", "smp_sp/torchtitan_style_sp", "noise_floor"):
+                c = timing[pair]
+                print(f"  {pair:28} ratio {c['ratio']:.3f} (paired {c['paired_ratio']:.3f}), max loss diff {c['max_loss_diff']:.2e}")
         out = Path(__file__).parent / "results" / f"tp_w{world}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps({"args": vars(args), "world": world, "memory": memory, "timing": timing}, indent=2))

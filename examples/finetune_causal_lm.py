@@ -36,7 +36,8 @@ import smp
 from smp import metrics
 from smp.config import ConfigError, load_config
 from smp.mesh import ParallelDims
-from smp.planning import MODEL_SHAPES, build_causal_lm, comm_bytes_per_step, resolve_model_config
+from smp.models import MODEL_SHAPES, build_causal_lm, resolve_model_config
+from smp.planning import comm_bytes_per_step
 
 # ----------------------------------------------------------------------------------------------
 # Data

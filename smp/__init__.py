@@ -1,17 +1,20 @@
 """smp: PyTorch-native model parallelism (FSDP2, hybrid sharding, ...) from one config file."""
 
 from smp import checkpointing  # smp.checkpointing.save / load / latest / export_hf / load_hf
-from smp.config import ConfigError, SMPConfig, load_config
+from smp.config import SMPConfig, load_config
+from smp.errors import CheckpointError, ConfigError, Error
 from smp.reliability import NonFiniteGradientError, PeerFailure, check_finite_grads, step_guard
-from smp.runtime import init, is_initialized, shutdown, state
+from smp.runtime import init, is_initialized, session, shutdown, state
 from smp.sharding.gradient_sync import gradient_sync_bytes  # bytes sent per rank (smp_collectives)
 from smp.training import clip_grad_norm_, no_sync
 from smp.transform import transform
 
-__version__ = "0.1.0"
+from smp._version import __version__
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
+    "Error",
     "NonFiniteGradientError",
     "PeerFailure",
     "SMPConfig",
@@ -24,6 +27,7 @@ __all__ = [
     "is_initialized",
     "load_config",
     "no_sync",
+    "session",
     "shutdown",
     "state",
     "step_guard",

@@ -13,7 +13,9 @@ import os
 import sys
 from typing import Sequence
 
-from smp.config import ConfigError, SMPConfig, json_schema, load_config
+from smp._version import __version__
+from smp.config import SMPConfig, json_schema, load_config
+from smp.errors import UsageError
 from smp.mesh import ParallelDims
 
 # torchrun flags that mean "more than one host": with any of them smp adds no --standalone.
@@ -28,7 +30,7 @@ _MULTI_HOST_FLAGS = ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-b
 def torchrun_argv(nproc: int | str, script_and_args: Sequence[str], torchrun_args: Sequence[str] = ()) -> list[str]:
     """The torchrun command `smp run` executes: `python -m torch.distributed.run ...`."""
     if not script_and_args:
-        raise ConfigError("smp run: name the training script, e.g. `smp run -n 2 train.py --config smp.yaml`")
+        raise UsageError("smp run: name the training script, e.g. `smp run -n 2 train.py --config smp.yaml`")
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     multi_host = any(a.split("=")[0] in _MULTI_HOST_FLAGS for a in torchrun_args)
     if not multi_host:
@@ -54,7 +56,7 @@ def parse_run_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], 
         if name in ("-n", "--nproc-per-node", "--nproc_per_node", "--smp-config"):
             if not eq:
                 if i + 1 >= len(argv):
-                    raise ConfigError(f"smp run: {name} needs a value")
+                    raise UsageError(f"smp run: {name} needs a value")
                 i, value = i + 1, argv[i + 1]
             setattr(opts, "config" if name == "--smp-config" else "nproc", value)
         elif arg == "--dry-run":
@@ -137,7 +139,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps(json_schema(), indent=2))
         return 0
     if not args.config:
-        raise ConfigError("smp check: name a config file, e.g. `smp check smp.yaml --world-size 8`")
+        raise UsageError("smp check: name a config file, e.g. `smp check smp.yaml --world-size 8`")
     cfg = load_config(args.config)
     dims = ParallelDims.from_config(cfg, args.world_size)
     print(f"config {args.config}: valid")
@@ -166,7 +168,7 @@ def _parse_memory(text: str | None) -> float | None:
     try:
         return float(t)
     except ValueError:
-        raise ConfigError(f"--device-memory {text!r}: give GiB per device, e.g. 80 or 80GiB") from None
+        raise UsageError(f"--device-memory {text!r}: give GiB per device, e.g. 80 or 80GiB") from None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -206,6 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"smp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     parser.run_parser = sub.add_parser(  # type: ignore[attr-defined]
@@ -254,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             return cmd_check(args)
         return cmd_plan(args)
-    except ValueError as e:  # ConfigError, ModelSpecError: the message is the whole story
+    except ValueError as e:  # UsageError, ConfigError, ModelSpecError: the message is the whole story
         print(f"smp {args.command}: error: {e}", file=sys.stderr)
         return 2
 

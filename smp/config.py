@@ -16,9 +16,7 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-
-class ConfigError(ValueError):
-    """A configuration value smp cannot use. The message names the key and the fix."""
+from smp.errors import ConfigError  # raised by load_config; importable from here too
 
 
 DTypeName = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
@@ -116,6 +114,25 @@ class TensorParallelConfig(_Strict):
     plan: dict[str, str] | None = None
 
 
+class CompileConfig(_Strict):
+    # torch.compile each block (smp/compile.py). Off by default: the first steps pay the compile
+    # time (tens of seconds for a Llama block with inductor), and not every model traces.
+    enabled: bool = False
+    # A torch.compile backend (torch.compiler.list_backends()): "inductor" generates fused
+    # kernels; "aot_eager" traces the same graphs without code generation (CPU tests).
+    backend: str = "inductor"
+
+    @field_validator("backend")
+    @classmethod
+    def _backend_exists(cls, value: str) -> str:
+        import torch.compiler  # torch is imported only when a backend is named
+
+        known = torch.compiler.list_backends(exclude_tags=())
+        if value not in known:
+            raise ValueError(f"unknown torch.compile backend {value!r}; one of {', '.join(known)}")
+        return value
+
+
 class SMPConfig(_Strict):
     # --- parallel degrees (SMP v2 keys) ---
     # 0: shard over all data-parallel ranks; 1: replicate (no sharding);
@@ -157,6 +174,7 @@ class SMPConfig(_Strict):
 
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     gradient_sync: GradientSyncConfig = GradientSyncConfig()
+    compile: CompileConfig = CompileConfig()
 
     # --- runtime ---
     backend: Literal["nccl", "gloo"] | None = None
@@ -179,6 +197,12 @@ class SMPConfig(_Strict):
     @classmethod
     def _sync_from_string(cls, value: Any) -> Any:
         return {"algorithm": value} if isinstance(value, str) else value
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_from_bool(cls, value: Any) -> Any:
+        # `compile: true` turns it on with the default backend; the object form picks one.
+        return {"enabled": value} if isinstance(value, bool) else value
 
     @field_validator("reshard_after_forward", mode="before")
     @classmethod

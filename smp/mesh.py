@@ -72,9 +72,11 @@ class ParallelDims:
         return mesh, dp_mesh
 
 
-def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D shard."""
-    if dims.dp_replicate > 1:
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims, replicas_by_hook: bool = False) -> DeviceMesh:
+    """The mesh FSDP shards over: 2-D (replicate, shard) for native HSDP, else 1-D shard. With
+    `replicas_by_hook` smp's all-reduce hook, not FSDP, syncs the replicas (see
+    smp/sharding/gradient_sync.py): 1-D shard too. Every replica holds identical parameters."""
+    if dims.dp_replicate > 1 and not replicas_by_hook:
         return mesh[("dp_replicate", "dp_shard")]
     return mesh["dp_shard"]
 

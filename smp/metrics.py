@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from smp.mesh import device_type_for
+
 # Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' datasheets.
 # Matched in order against torch.cuda.get_device_name(): put specific names before general ones.
 PEAK_FLOPS: list[tuple[tuple[str, ...], float]] = [
@@ -69,7 +71,7 @@ def device_name(device: torch.device | str) -> str:
 class ModelFlops:
     """What the FLOPs formula needs to know about a model."""
 
-    matmul_params: int  # weights of every nn.Linear (LM head included, embeddings not)
+    matmul_params: int  # matmul weights a token uses (`count_matmul_params`): LM head in, embeddings out
     layers: int
     attention_width: int  # heads x head_dim (query side)
 
@@ -82,14 +84,42 @@ def _full_numel(t: torch.Tensor) -> int:
     return t.numel()  # a DTensor's numel is its global (unsharded) size
 
 
+def _moe_routing(model: nn.Module) -> tuple[int, int]:
+    """(top_k, E) of an MoE model's config: each token runs through top_k of its E experts.
+    (1, 1) for a dense model."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    # Mixtral names the expert count num_local_experts; Qwen2-MoE and others num_experts.
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return 1, 1
+    return int(top_k), int(experts)
+
+
 def count_matmul_params(model: nn.Module) -> int:
-    """Weights of the model's nn.Linear layers, each module counted once (sharded or not)."""
+    """Weights a token multiplies through, each tensor counted once (sharded or not).
+
+    - 2-D parameters: nn.Linear and transformers' Conv1D (GPT-2) weights, fused / packed
+      projections (qkv, gate_up) included, the LM head (tied to the input embedding or not),
+      and weights a module applies itself with F.linear (MoE routers);
+    - 3-D parameters: E experts stacked [E, out, in] (transformers 5.x MoE: `experts.gate_up_proj`,
+      `experts.down_proj`), of which a token uses top_k: top_k / E of them count, from the
+      config's `num_experts_per_tok` and `num_local_experts` / `num_experts`;
+    - embedding tables are a lookup, not a matmul; 1-D parameters (norms, biases) neither.
+    """
+    top_k, experts = _moe_routing(model)
     seen: set[int] = set()
     total = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) and id(module) not in seen:
-            seen.add(id(module))
-            total += _full_numel(module.weight)
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            continue  # a tied head's weight is counted by the head module
+        for param in module.parameters(recurse=False):
+            if id(param) in seen or param.dim() not in (2, 3):
+                continue
+            seen.add(id(param))
+            total += _full_numel(param) if param.dim() == 2 else _full_numel(param) // experts * top_k
     return total
 
 
@@ -138,14 +168,13 @@ def peak_memory_bytes(device: torch.device | str) -> dict[str, int]:
 
 
 def gather_per_rank(value: float, device: torch.device | str | None = None) -> list[float]:
-    """Every rank's value of a scalar, on every rank (rank order). `device` defaults to smp's
-    (an NCCL group has no CPU backend)."""
+    """Every rank's value of a scalar, on every rank (rank order). `device` defaults to where
+    the default group runs collectives: an NCCL group has no CPU backend, so the current CUDA
+    device (the one smp.init set); else the CPU."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [float(value)]
     if device is None:
-        from smp import runtime
-
-        device = runtime.current().device if runtime.is_initialized() else "cpu"
+        device = device_type_for(dist.get_backend())
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)

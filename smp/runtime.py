@@ -6,11 +6,12 @@ MASTER_ADDR/PORT or a rendezvous); it never launches processes or opens connecti
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,16 @@ class _StateProxy:
 
 _STATE: _State | None = None
 state = _StateProxy()
+# What must finish while the process group still works, e.g. a pending async checkpoint save.
+# Registered by the modules that own such work, so that this module imports none of them.
+_SHUTDOWN_HOOKS: list[Callable[[], None]] = []
+
+
+def register_shutdown_hook(hook: Callable[[], None]) -> None:
+    """Call `hook()` at the start of every `smp.shutdown`, before the process group goes (in
+    registration order; once per function however often registered). It must not raise."""
+    if hook not in _SHUTDOWN_HOOKS:
+        _SHUTDOWN_HOOKS.append(hook)
 
 
 def is_initialized() -> bool:
@@ -171,17 +182,29 @@ def shutdown() -> None:
     """Forget smp's state; destroy the process group if smp created it.
 
     A barrier comes first: gloo can abort at exit when one rank tears down while another
-    is still in its last collective (see PLATFORM.md).
+    is still in its last collective (see docs/platform.md).
     """
     global _STATE
     if _STATE is None:
         return
     owns = _STATE.owns_process_group
-    from smp.checkpointing.sharded import wait_at_shutdown  # local: checkpointing imports runtime
-
-    wait_at_shutdown()  # a pending async save commits before the process group goes
+    for hook in _SHUTDOWN_HOOKS:
+        hook()
     _STATE = None
     stop_watchdog()  # smp.step_guard's thread polls the store that is about to go
     if owns and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def session(config: ConfigSource = None, *, backend: str | None = None) -> Iterator[_State]:
+    """`with smp.session(cfg) as st:` = `smp.init(cfg)` ... `smp.shutdown()`, even on error.
+
+    For notebooks, tests and scripts that run several configurations in one process.
+    """
+    st = init(config, backend=backend)
+    try:
+        yield st
+    finally:
+        shutdown()

@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from smp.mesh import device_type_for
+
 
 @torch.no_grad()
 def clip_grad_norm_(
@@ -84,11 +86,10 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 def all_reduce_mean(value: float | torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
     """Average a scalar (e.g. the loss, for logging) over the ranks of `group` (default: all).
 
-    The tensor lives on smp's device: an NCCL group has no CPU backend.
+    The tensor lives where `group`'s backend runs collectives: an NCCL group has no CPU
+    backend, so on the current CUDA device (the one smp.init set); else on the CPU.
     """
-    from smp import runtime
-
-    device = runtime.current().device if runtime.is_initialized() else "cpu"
+    device = device_type_for(dist.get_backend(group)) if dist.is_initialized() else "cpu"
     t = torch.as_tensor(value).detach().to(device=device, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(t, group=group)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from smp import runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
+from smp.compile import apply_compile
+from smp.config import SMPConfig
+from smp.mesh import ParallelDims, fsdp_mesh
 from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_meta_model
-from smp.sharding.gradient_sync import gradient_sync_mesh, install_gradient_sync
+from smp.sharding.fsdp import torch_dtype
+from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
 from smp.tensor_parallel import apply_tensor_parallel
 
 
@@ -20,29 +26,61 @@ def transform(
     `tp_plan` (module-name pattern -> style) overrides the model's own tensor-parallel plan.
     """
     st = runtime.current()
-    cfg = st.config
+    return apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan, materialize=materialize)
+
+
+def apply_parallelism(
+    model: nn.Module, cfg: SMPConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, *,
+    tp_plan: dict[str, str] | None = None, materialize: bool = True,
+) -> nn.Module:
+    """`transform` with the state passed in: `cfg` applied over `mesh` (the 3-D mesh of `dims`),
+    parameters on `device`. `smp plan` runs it under a fake process group, without smp.init.
+    The config is unpacked here: each step below takes plain values."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"smp.transform expects an nn.Module, got {type(model).__name__}")
     on_meta = has_meta_tensors(model)
     if not on_meta:
-        model.to(st.device)
+        model.to(device)
 
     # 1. Tensor parallel first: it rewrites the layers that everything after wraps.
-    if st.dims.tp > 1:
-        apply_tensor_parallel(model, st.mesh["tp"], cfg, tp_plan)
+    if dims.tp > 1:
+        tp = cfg.tensor_parallel
+        apply_tensor_parallel(
+            model, mesh["tp"], tp_plan, config_plan=tp.plan,
+            sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
+        )
     blocks = find_blocks(model, cfg.shard_modules)
     # 2. Activation checkpointing / offloading wrap the blocks before FSDP sees them, so that
     #    recompute runs inside FSDP's unshard/reshard of each block.
-    blocks = apply_activation_checkpointing(model, blocks, cfg)
-    apply_activation_offloading(model, blocks, cfg)
+    ac = cfg.activation_checkpointing
+    apply_activation_checkpointing(
+        model, blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops
+    )
+    if cfg.sm_activation_offloading:
+        apply_activation_offloading(
+            model, blocks, horizon=cfg.activation_loading_horizon, min_bytes=cfg.activation_offload_min_bytes
+        )
+    if cfg.compile.enabled:  # per block, after TP and checkpointing, before FSDP (torchtitan's order)
+        apply_compile(model, blocks, cfg.compile.backend)
     # 3. FSDP last: one unit per block, then the root. (1-D over dp_shard when smp's hook, not
     #    native HSDP, syncs the replicas: gradient_sync.cross_replica.)
-    apply_fsdp(model, gradient_sync_mesh(st.mesh, st.dims, cfg), cfg, blocks)
+    sync = cfg.gradient_sync
+    by_hook = replicas_by_hook(sync.cross_replica, dims)
+    mp = cfg.mixed_precision
+    apply_fsdp(
+        model, fsdp_mesh(mesh, dims, by_hook), blocks,
+        param_dtype=torch_dtype(mp.param_dtype), reduce_dtype=torch_dtype(mp.reduce_dtype),
+        output_dtype=torch_dtype(mp.output_dtype), cast_forward_inputs=mp.cast_forward_inputs,
+        reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
+    )
     # 4. Gradient sync: smp_collectives' collectives on every FSDP unit, when configured.
-    install_gradient_sync(model, st, cfg)
+    install_gradient_sync(
+        model, sync.algorithm, block_size=sync.block_size, error_feedback=sync.error_feedback,
+        cross_replica=sync.cross_replica, replica_group=mesh["dp_replicate"].get_group() if by_hook else None,
+    )
 
     # materialize=False leaves a meta model on meta: shapes and placements only (`smp plan`).
     if on_meta and materialize:
-        init_device = "cpu" if cfg.cpu_offload else st.device
+        init_device = "cpu" if cfg.cpu_offload else device
         materialize_meta_model(model, init_device, cfg.random_seed)
     return model

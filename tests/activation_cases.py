@@ -22,6 +22,16 @@ GLOBAL_BATCH, SEQ, LAYERS = 4, 16, 4
 MATMULS = ("aten.mm", "aten.addmm", "aten.bmm")
 
 
+def apply_activations(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg) -> None:
+    """The activation steps of smp.transform alone (no FSDP), with the config unpacked as there."""
+    ac = cfg.activation_checkpointing
+    apply_activation_checkpointing(model, blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops)
+    if cfg.sm_activation_offloading:
+        apply_activation_offloading(
+            model, blocks, horizon=cfg.activation_loading_horizon, min_bytes=cfg.activation_offload_min_bytes
+        )
+
+
 def build(kind: str, layers: int = LAYERS) -> torch.nn.Module:
     if kind == "plain":
         return TinyTransformer(layers=layers)
@@ -81,8 +91,7 @@ def single_process_run(kind: str, configs: list[dict], layers: int = LAYERS, mut
         cfg = load_config(raw)
         model = copy.deepcopy(reference)
         blocks = find_blocks(model)
-        apply_activation_checkpointing(model, blocks, cfg)
-        apply_activation_offloading(model, blocks, cfg)
+        apply_activations(model, blocks, cfg)
         if mutate is not None:
             mutate(model)
         result = _measured_step(model, blocks, batch)
@@ -104,8 +113,7 @@ def run_modes(base: dict, modes: list[dict], kind: str, steps: int = 2) -> list[
     batch = random_batch(GLOBAL_BATCH, SEQ, _vocab(kind), seed=5)
     runs = []
     for mode in modes:
-        smp.init({**base, **mode})
-        try:
+        with smp.session({**base, **mode}):
             torch.manual_seed(smp.state.config.random_seed)
             reference = build(kind)
             model = smp.transform(copy.deepcopy(reference))
@@ -130,8 +138,6 @@ def run_modes(base: dict, modes: list[dict], kind: str, steps: int = 2) -> list[
                 opt.step(), ref_opt.step()
                 opt.zero_grad(), ref_opt.zero_grad()
             runs.append(steps_out)
-        finally:
-            smp.shutdown()
     reports = []
     for steps_out in runs:
         comparisons = [_compare(r, b) for r, b in zip(steps_out, runs[0])]

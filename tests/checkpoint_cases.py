@@ -73,8 +73,7 @@ def exact_resume(config: dict, root: str, steps: int = 4, save_at: int = 2, asyn
                  reseed_after_load: bool = False) -> dict:
     """Uninterrupted `steps` steps (saving at `save_at` on the way) vs a fresh model loaded from
     that checkpoint and continued. `reseed_after_load` throws the restored RNG away (must fail)."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         model = smp.transform(_llama(0, dropout=0.2))
         opt, sched = _optim(model)
         path = os.path.join(root, f"step_{save_at}")
@@ -97,15 +96,12 @@ def exact_resume(config: dict, root: str, steps: int = 4, save_at: int = 2, asyn
             "param_diff": _max_diff(final, _params(fresh)),
             "lr": (opt.param_groups[0]["lr"], fresh_opt.param_groups[0]["lr"]),
         }
-    finally:
-        smp.shutdown()
 
 
 def saving_changes_nothing(config: dict, root: str, steps: int = 3) -> dict:
     """Losses of a run that saves (before its first step, and midway) vs one that never does,
     and of a run resumed from the step-0 checkpoint."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         ck = smp.checkpointing
 
         def run(save: bool) -> list[float]:
@@ -126,8 +122,6 @@ def saving_changes_nothing(config: dict, root: str, steps: int = 3) -> dict:
         extra = ck.load(os.path.join(root, "s0"), model, opt)
         sched.load_state_dict(extra["scheduler"])
         return {"plain": plain, "saving": saving, "from_step_0": _steps(model, opt, sched, 0, steps)}
-    finally:
-        smp.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,20 +142,16 @@ def _reference_losses(steps: int) -> list[float]:
 
 
 def reshard_save(config: dict, path: str, save_at: int) -> list[float]:
-    smp.init(config)
-    try:
+    with smp.session(config):
         model = smp.transform(_llama(0))
         opt, sched = _optim(model)
         losses = _steps(model, opt, sched, 0, save_at)
         smp.checkpointing.save(path, model, opt, extra={"step": save_at, "scheduler": sched.state_dict()})
         return losses
-    finally:
-        smp.shutdown()
 
 
 def reshard_resume(config: dict, path: str, steps: int, with_optimizer: bool = True) -> dict:
-    smp.init(config)
-    try:
+    with smp.session(config):
         model = smp.transform(_llama(99))
         opt, sched = _optim(model)
         extra = smp.checkpointing.load(path, model, opt if with_optimizer else None)
@@ -169,8 +159,6 @@ def reshard_resume(config: dict, path: str, steps: int, with_optimizer: bool = T
         resumed = _steps(model, opt, sched, extra["step"], steps)
         return {"resumed": resumed, "step": extra["step"], "reference": _reference_losses(steps),
                 "tp": _tp_sharded(model)}
-    finally:
-        smp.shutdown()
 
 
 def plain_dcp_load(path: str) -> float:
@@ -203,8 +191,7 @@ def failed_save_keeps_previous(config: dict, root: str) -> dict:
     checkpoint must stay latest() and load."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    smp.init(config)
-    try:
+    with smp.session(config):
         model = smp.transform(TinyTransformer())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         smp.checkpointing.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
@@ -236,13 +223,10 @@ def failed_save_keeps_previous(config: dict, root: str) -> dict:
             "error": error, "latest": os.path.basename(latest), "step": extra["step"],
             "param_diff": _max_diff(at_1, _params(fresh)), "listing": sorted(os.listdir(root)),
         }
-    finally:
-        smp.shutdown()
 
 
 def keep_last(config: dict, root: str) -> dict:
-    smp.init(config)
-    try:
+    with smp.session(config):
         model = smp.transform(TinyTransformer())
         for step in range(1, 5):
             smp.checkpointing.save(os.path.join(root, f"step_{step}"), model, extra={"step": step}, keep_last=2)
@@ -251,14 +235,11 @@ def keep_last(config: dict, root: str) -> dict:
         latest = smp.checkpointing.latest(root)
         return {"listing": sorted(os.listdir(root)), "latest": os.path.basename(latest),
                 "step": smp.checkpointing.load(latest, model)["step"]}
-    finally:
-        smp.shutdown()
 
 
 def async_snapshot(config: dict, root: str) -> float:
     """An async save holds the state as of the call, though training mutates it right after."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         model = smp.transform(TinyTransformer())
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         before = _params(model)
@@ -270,18 +251,13 @@ def async_snapshot(config: dict, root: str) -> float:
         smp.checkpointing.wait()
         smp.checkpointing.load(os.path.join(root, "a"), model, opt)
         return _max_diff(before, _params(model))
-    finally:
-        smp.shutdown()
 
 
 def async_committed_by_shutdown(config: dict, root: str) -> str | None:
-    """An async save never waited for is committed by smp.shutdown, not lost."""
-    smp.init(config)
-    try:
+    """An async save never waited for is committed by smp.shutdown (the session's end), not lost."""
+    with smp.session(config):
         model = smp.transform(TinyTransformer())
         smp.checkpointing.save(os.path.join(root, "b"), model, async_save=True)
-    finally:
-        smp.shutdown()
     found = smp.checkpointing.latest(root)
     return found and os.path.basename(found)
 
@@ -301,8 +277,7 @@ def export_then_from_pretrained(config: dict, out: str, max_shard_bytes: int, ti
     from safetensors import safe_open
     from transformers import LlamaForCausalLM
 
-    smp.init(config)
-    try:
+    with smp.session(config):
         model = smp.transform(_llama(0, tie_word_embeddings=tie))
         opt, sched = _optim(model)
         _steps(model, opt, sched, 0, 1)  # trained weights, not the init
@@ -322,8 +297,6 @@ def export_then_from_pretrained(config: dict, out: str, max_shard_bytes: int, ti
         return {"logit_diff": float((hf(input_ids=ids).logits.detach().float() - logits).abs().max()),
                 "round_trip_diff": _max_diff(expected, _params(back)), "file_dtype": file_dtype,
                 "files": files, "tp": _tp_sharded(model)}
-    finally:
-        smp.shutdown()
 
 
 class _count_reads:
@@ -347,8 +320,7 @@ class _count_reads:
 
 def import_hf(config: dict, hf_dir: str, tie: bool, dtype: str) -> dict:
     """A folder written by transformers' save_pretrained streamed into a sharded model."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         reference = _llama(7, tie_word_embeddings=tie)
         if dist.get_rank() == 0:
             reference.to(getattr(torch, dtype)).save_pretrained(hf_dir, max_shard_size="40KB")
@@ -371,8 +343,6 @@ def import_hf(config: dict, hf_dir: str, tie: bool, dtype: str) -> dict:
             # elements this rank read from the files / elements in the files
             "read_fraction": read.elements / sum(p.numel() for p in reference.parameters()),
         }
-    finally:
-        smp.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,14 +352,13 @@ def import_hf(config: dict, hf_dir: str, tie: bool, dtype: str) -> dict:
 def _error(fn, *args, **kwargs) -> str:
     try:
         fn(*args, **kwargs)
-    except smp.ConfigError as e:
+    except smp.CheckpointError as e:
         return str(e)
     return ""
 
 
 def error_messages(config: dict, root: str) -> dict[str, str]:
-    smp.init(config)
-    try:
+    with smp.session(config):
         ck = smp.checkpointing
         model = smp.transform(TinyTransformer())
         ck.save(os.path.join(root, "tiny"), model)  # model only, no optimizer
@@ -428,14 +397,11 @@ def error_messages(config: dict, root: str) -> dict[str, str]:
         out["listing"] = sorted(os.listdir(root))  # failed saves left nothing behind
         out["latest"] = os.path.basename(ck.latest(root))  # the export "hf" is newer: not a checkpoint
         return out
-    finally:
-        smp.shutdown()
 
 
 def load_latest_into_fresh(config: dict, root: str) -> dict:
     """After a killed save (see `crash` below): what latest() returns, and whether it loads."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         latest = smp.checkpointing.latest(root)
         model = smp.transform(TinyTransformer())
         torch.manual_seed(0)
@@ -446,8 +412,6 @@ def load_latest_into_fresh(config: dict, root: str) -> dict:
         smp.checkpointing.save(os.path.join(root, "step_3"), model, keep_last=5)
         return {"latest": os.path.basename(latest), "step": extra["step"], "param_diff": diff,
                 "listing": sorted(os.listdir(root))}
-    finally:
-        smp.shutdown()
 
 
 def crash(root: str, point: str) -> None:

@@ -101,8 +101,7 @@ def cross_replica_hook_case(kind: str | None) -> torch.Tensor:
 def train_grads(config: dict, kind: str, steps: int = 2) -> dict:
     """`steps` SGD steps through smp.transform: per-step global-mean loss, final full gradients,
     sync bytes of the last step. Runs the single-process reference alongside for comparison."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         reference = build(kind)
         model = smp.transform(copy.deepcopy(reference))
@@ -126,14 +125,11 @@ def train_grads(config: dict, kind: str, steps: int = 2) -> dict:
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
         return {"losses": losses, "ref_losses": ref_losses, "grad_diff": grad_diff, "grads": grads, "bytes": sent}
-    finally:
-        smp.shutdown()
 
 
 def loss_curve(config: dict, steps: int) -> list[float]:
     """Global-mean training loss per step of a tiny Llama (AdamW) under `config`."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         model = smp.transform(build("llama"))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -147,5 +143,3 @@ def loss_curve(config: dict, steps: int) -> list[float]:
             opt.zero_grad()
             curve.append(world_mean(loss))
         return curve
-    finally:
-        smp.shutdown()

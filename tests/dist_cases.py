@@ -21,8 +21,7 @@ def equivalence(config: dict, kind: str, steps: int = 2, break_sync: bool = Fals
     Returns the largest loss and gradient differences over `steps` SGD steps. `break_sync`
     turns off gradient reduction, which the comparison must catch.
     """
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         reference = build(kind)
         if delayed:
@@ -54,8 +53,6 @@ def equivalence(config: dict, kind: str, steps: int = 2, break_sync: bool = Fals
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
         return report
-    finally:
-        smp.shutdown()
 
 
 class _LocalOnlyReduceScatter:
@@ -70,22 +67,18 @@ class _LocalOnlyReduceScatter:
 
 
 def describe_state(config: dict) -> dict:
-    smp.init(config)
-    try:
+    with smp.session(config):
         s = smp.state
         return dict(
             rank=s.rank, world_size=s.world_size, dp_rank=s.dp_rank, dp_size=s.dp_size,
             tp_rank=s.tp_rank, tp_size=s.tp_size, shape=s.dims.shape,
             mesh_names=s.mesh.mesh_dim_names, device=str(s.device),
         )
-    finally:
-        smp.shutdown()
 
 
 def clip_equivalence(config: dict) -> tuple[float, float]:
     """smp.clip_grad_norm_ on the sharded model vs torch's on the unsharded one."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         reference = build("plain")
         model = smp.transform(copy.deepcopy(reference))
@@ -95,14 +88,11 @@ def clip_equivalence(config: dict) -> tuple[float, float]:
         norm = smp.clip_grad_norm_(model, 0.01)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
         return abs(float(norm) - float(ref_norm)), max_grad_diff(model, reference)
-    finally:
-        smp.shutdown()
 
 
 def accumulation_equivalence(config: dict) -> float:
     """Two micro-batches under smp.no_sync + one synced == one step on the whole batch."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         reference = build("plain")
         model = smp.transform(copy.deepcopy(reference))
@@ -114,32 +104,26 @@ def accumulation_equivalence(config: dict) -> float:
         (loss_of(model, local[half:]) / 2).backward()
         loss_of(reference, batch).backward()
         return max_grad_diff(model, reference)
-    finally:
-        smp.shutdown()
 
 
 def shard_bytes(config: dict, kind: str) -> tuple[int, int]:
     """(this rank's parameter bytes, the full model's parameter bytes)."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         model = build(kind)
         full = sum(p.numel() * p.element_size() for p in model.parameters())
         model = smp.transform(model)
         local = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
         return local, full
-    finally:
-        smp.shutdown()
 
 
 def init_error(config: dict) -> str:
     """The error smp.init raises for `config` on this world (collectives must not run)."""
     try:
-        smp.init(config)
+        with smp.session(config):
+            return ""
     except smp.ConfigError as e:
         return str(e)
-    smp.shutdown()
-    return ""
 
 
 def reinit_behaviour() -> list[str]:
@@ -159,19 +143,17 @@ def reinit_behaviour() -> list[str]:
 
 
 def transform_error(config: dict, kind: str, meta: bool = False) -> str:
-    smp.init(config)
-    try:
-        if meta:
-            with torch.device("meta"):
-                model = build(kind) if kind != "no_reset" else _NoReset()
-        else:
-            model = build(kind)
-        smp.transform(model)
-        return ""
-    except (smp.ConfigError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
-    finally:
-        smp.shutdown()
+    with smp.session(config):
+        try:
+            if meta:
+                with torch.device("meta"):
+                    model = build(kind) if kind != "no_reset" else _NoReset()
+            else:
+                model = build(kind)
+            smp.transform(model)
+            return ""
+        except (smp.ConfigError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
 
 
 class _NoReset(torch.nn.Module):

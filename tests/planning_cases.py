@@ -21,8 +21,7 @@ def _storage_bytes(tensors) -> int:
 def measured_bytes(config: dict, seq_len: int = 16, batch: int = 2) -> dict[str, int]:
     """Train the tiny Llama one AdamW step under `config`; this rank's parameter, gradient and
     optimizer-state bytes as allocated (distinct storages, FSDP padding included)."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         model = smp.transform(tiny_llama())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -35,5 +34,3 @@ def measured_bytes(config: dict, seq_len: int = 16, batch: int = 2) -> dict[str,
         params = _storage_bytes(model.parameters())
         states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return {"params": params, "grads": grads, "optimizer": _storage_bytes(states), "sync": sync}
-    finally:
-        smp.shutdown()

@@ -14,7 +14,6 @@ from smp.testing.models import TinyTransformer
 
 
 def _fsdp_model_with_grads():
-    smp.init({"backend": "gloo", "random_seed": 0})
     model = smp.transform(TinyTransformer(vocab=64, dim=32, hidden=64, layers=2))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     model(ids, labels=ids).backward()
@@ -26,8 +25,8 @@ def nonfinite_on_one_rank(bad_rank: int, param_name: str, action: str, guarded: 
 
     `guarded`: inside smp.step_guard, which must let the agreed error through on every rank
     (no rank blamed, none stopped)."""
-    model = _fsdp_model_with_grads()
-    try:
+    with smp.session({"backend": "gloo", "random_seed": 0}):
+        model = _fsdp_model_with_grads()
         assert smp.check_finite_grads(model, step=0, action=action)  # clean grads pass
         params = dict(model.named_parameters())
         before = {n: p.detach().to_local().clone() for n, p in params.items()}
@@ -55,16 +54,13 @@ def nonfinite_on_one_rank(bad_rank: int, param_name: str, action: str, guarded: 
                 torch.equal(before[n], p.detach().to_local()) for n, p in model.named_parameters()
             )
         return result
-    finally:
-        smp.shutdown()
 
 
 def mesh_group_timeouts(config: dict):
     """Timeout (s) of every mesh group on this rank, and whether each one is the default group."""
     from smp.reliability.timeouts import group_timeouts
 
-    smp.init(config)
-    try:
+    with smp.session(config):
         st = smp.state
         default = dist.distributed_c10d._get_default_group()
         out = {}
@@ -73,5 +69,3 @@ def mesh_group_timeouts(config: dict):
             for dim, name in enumerate(mesh.mesh_dim_names):
                 out[name] = (timeouts[name], mesh.get_group(dim) is default)
         return out
-    finally:
-        smp.shutdown()

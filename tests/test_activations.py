@@ -1,4 +1,4 @@
-"""Activation checkpointing (full / selective) and offloading (issue #4).
+"""Activation checkpointing (full / selective) and offloading.
 
 What is proven, and how:
 - Gradients and loss are bitwise equal to mode `none` for every mode, alone and under FSDP2
@@ -159,15 +159,12 @@ def test_llama_modes_and_recompute():
 def test_no_grad_and_deepcopy():
     import copy
 
-    from smp.activations import apply_activation_checkpointing, apply_activation_offloading
     from smp.sharding import find_blocks
     from smp.testing.models import TinyTransformer
 
     model = TinyTransformer(layers=2)
     cfg = smp.load_config({**FULL, **OFF})
-    blocks = find_blocks(model)
-    apply_activation_checkpointing(model, blocks, cfg)
-    apply_activation_offloading(model, blocks, cfg)
+    cases.apply_activations(model, find_blocks(model), cfg)
     twin = copy.deepcopy(model)
     assert all(is_checkpointed(b) for b in twin.layers)
     assert twin.layers[0].forward.module is twin.layers[0]  # the copy recomputes itself
@@ -199,18 +196,19 @@ def _check_dist(reports, modes=DIST_MODES, loss_tol=1e-5, grad_tol=1e-5):
 
 @pytest.mark.parametrize("kind", ["plain", "llama"])
 def test_fsdp_full_shard(ranks, kind):
-    _check_dist(ranks(2).run(cases.run_modes, {}, DIST_MODES, kind))
+    _check_dist(ranks(2).run(cases.run_modes, base={}, modes=DIST_MODES, kind=kind))
 
 
 @pytest.mark.slow
 def test_fsdp_hybrid_2x2(ranks):
     modes = [{}, FULL, {**OFF, **SELECTIVE}]  # 4 ranks share 2 cores: the mixes only, one step
-    _check_dist(ranks(4).run(cases.run_modes, {"hybrid_shard_degree": 2}, modes, "llama", 1), modes)
+    _check_dist(ranks(4).run(cases.run_modes, base={"hybrid_shard_degree": 2},
+                             modes=modes, kind="llama", steps=1), modes)
 
 
 def test_fsdp_bf16_mixed_precision(ranks):
     base = {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
-    reports = ranks(2).run(cases.run_modes, base, DIST_MODES, "plain")
+    reports = ranks(2).run(cases.run_modes, base=base, modes=DIST_MODES, kind="plain")
     _check_dist(reports, loss_tol=2e-2, grad_tol=2e-2)
     assert reports[0][0]["loss_vs_single"] > 0  # bf16 really ran
 
@@ -219,7 +217,8 @@ def test_fsdp_bf16_mixed_precision(ranks):
 def test_tensor_parallel_with_checkpointing_and_offloading(ranks):
     """TP 2 (Llama's own plan): saved activations are DTensors / sharded locals; bitwise vs none."""
     modes = [{}, FULL, {**OFF, **SELECTIVE}, OFF]
-    for rank_reports in ranks(2).run(cases.run_modes, {"tensor_parallel_degree": 2}, modes, "llama", 1):
+    for rank_reports in ranks(2).run(cases.run_modes, base={"tensor_parallel_degree": 2}, modes=modes,
+                                     kind="llama", steps=1):
         for mode, report in zip(modes, rank_reports):
             assert report["grads_bitwise"] and report["loss_bitwise"], (mode, report["grad_diff"])
             assert report["loss_vs_single"] < 1e-5 and report["grad_vs_single"] < 1e-5, (mode, report)
@@ -235,7 +234,7 @@ def test_hf_kv_cache_is_turned_off_under_checkpointing():
 
     model = tiny_llama()
     assert model.config.use_cache
-    apply_activation_checkpointing(model, find_blocks(model), smp.load_config(FULL))
+    apply_activation_checkpointing(model, find_blocks(model), mode="full")
     assert not model.config.use_cache  # recompute would otherwise append to the cache twice
 
 
@@ -244,6 +243,6 @@ def test_delayed_init_and_transform_route(ranks):
     from tests import dist_cases
 
     config = {**FULL, **OFF, "delayed_param_initialization": True}
-    for report in ranks(2).run(dist_cases.equivalence, config, "llama", 2, False, True):
+    for report in ranks(2).run(dist_cases.equivalence, config=config, kind="llama", delayed=True):
         assert report["loss_diff"] < 1e-5 and report["grad_diff"] < 1e-5, report
         assert report["losses"][1] < report["losses"][0]

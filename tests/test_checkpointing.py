@@ -4,7 +4,7 @@ Tolerances: at the same world size resume is bitwise (same shards, same optimize
 RNG streams, same batches). After resharding (world 4 HSDP 2x2 -> world 2 full shard, or
 TP 2) the losses are compared with the single-process run, as in test_fsdp.py: sharded
 reductions reorder float sums; measured differences are 2.4e-7 before the save and 0 (full
-shard) / 4.8e-7 (TP 2) after the resume; we assert 1e-4, the AdamW drift bound of PLATFORM.md.
+shard) / 4.8e-7 (TP 2) after the resume; we assert 1e-4, the AdamW drift bound in docs/platform.md.
 Dropping the optimizer state on resume moves the next loss by 7e-3, which the same check
 catches. Export/import copy tensors verbatim: parameters bitwise, logits to <= 6e-6 (sharded vs
 unsharded kernels), 8.7e-3 for a bf16 export (bf16 rounding of the weights).
@@ -29,7 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_exact_resume_is_bitwise(ranks, tmp_path, async_save):
-    for r in ranks(2).run(cases.exact_resume, {}, str(tmp_path), 4, 2, async_save):
+    for r in ranks(2).run(cases.exact_resume, config={}, root=str(tmp_path),
+                          steps=4, save_at=2, async_save=async_save):
         assert r["step"] == 2 and r["lr"][0] == r["lr"][1]
         assert r["resumed"] == r["losses"][2:], r  # bitwise, dropout included
         assert r["param_diff"] == 0.0, r
@@ -37,21 +38,23 @@ def test_exact_resume_is_bitwise(ranks, tmp_path, async_save):
 
 @pytest.mark.slow
 def test_exact_resume_hybrid_world4(ranks, tmp_path):
-    for r in ranks(4).run(cases.exact_resume, {"hybrid_shard_degree": 2}, str(tmp_path), 3, 1):
+    for r in ranks(4).run(cases.exact_resume, config={"hybrid_shard_degree": 2}, root=str(tmp_path),
+                          steps=3, save_at=1):
         assert r["resumed"] == r["losses"][1:] and r["param_diff"] == 0.0, r
 
 
 def test_saving_does_not_change_the_run(ranks, tmp_path):
     """Saving (even before the first optimizer step) leaves the run bitwise unchanged, and a
     resume from the step-0 checkpoint replays it."""
-    for r in ranks(2).run(cases.saving_changes_nothing, {}, str(tmp_path)):
+    for r in ranks(2).run(cases.saving_changes_nothing, config={}, root=str(tmp_path)):
         assert r["saving"] == r["plain"], r
         assert r["from_step_0"] == r["plain"], r
 
 
 def test_resume_without_rng_is_caught(ranks, tmp_path):
     """The bitwise check must fail when the restored RNG streams are thrown away (dropout)."""
-    for r in ranks(2).run(cases.exact_resume, {}, str(tmp_path), 4, 2, False, True):
+    for r in ranks(2).run(cases.exact_resume, config={}, root=str(tmp_path),
+                          steps=4, save_at=2, reseed_after_load=True):
         assert r["resumed"] != r["losses"][2:], r
 
 
@@ -61,7 +64,7 @@ def test_resume_without_rng_is_caught(ranks, tmp_path):
 def hybrid_checkpoint(ranks, tmp_path_factory):
     """Two AdamW steps at world 4, HSDP 2x2, saved at step 2."""
     path = str(tmp_path_factory.mktemp("reshard") / "step_2")
-    losses = ranks(4).run(cases.reshard_save, {"hybrid_shard_degree": 2}, path, 2)[0]
+    losses = ranks(4).run(cases.reshard_save, config={"hybrid_shard_degree": 2}, path=path, save_at=2)[0]
     return path, losses
 
 
@@ -72,7 +75,7 @@ def test_reshard_hybrid4_to_full_shard2(ranks, hybrid_checkpoint):
     assert (meta["world_size"], meta["dp_replicate"], meta["dp_shard"], meta["tp"]) == (4, 2, 2, 1)
     assert meta["torch_version"] and meta["smp_version"] and len(meta["fingerprint"]) == 16
     assert meta["params"]["lm_head.weight"] == [256, 64] and meta["has_optimizer"]
-    for r in ranks(2).run(cases.reshard_resume, {}, path, 4):
+    for r in ranks(2).run(cases.reshard_resume, config={}, path=path, steps=4):
         ref = r["reference"]
         assert r["step"] == 2
         assert max(abs(a - b) for a, b in zip(saved_losses, ref[:2])) < RESHARD_TOL
@@ -82,28 +85,22 @@ def test_reshard_hybrid4_to_full_shard2(ranks, hybrid_checkpoint):
 @pytest.mark.slow
 def test_reshard_without_optimizer_state_is_caught(ranks, hybrid_checkpoint):
     path, _ = hybrid_checkpoint
-    for r in ranks(2).run(cases.reshard_resume, {}, path, 4, False):
+    for r in ranks(2).run(cases.reshard_resume, config={}, path=path, steps=4, with_optimizer=False):
         assert max(abs(a - b) for a, b in zip(r["resumed"], r["reference"][2:])) > 10 * RESHARD_TOL
 
 
 @pytest.mark.slow
 def test_reshard_to_tensor_parallel(ranks, hybrid_checkpoint):
     path, _ = hybrid_checkpoint
-    try:
-        results = ranks(2).run(cases.reshard_resume, {"tensor_parallel_degree": 2}, path, 4)
-    except Exception as e:  # noqa: BLE001
-        if "tensor parallelism is not available" in str(e):
-            pytest.skip("tensor parallelism (issue #3) has not landed in smp/tensor_parallel yet")
-        raise
-    for r in results:
+    for r in ranks(2).run(cases.reshard_resume, config={"tensor_parallel_degree": 2}, path=path, steps=4):
         assert r["tp"], r  # the loading model really is tensor-parallel
         assert max(abs(a - b) for a, b in zip(r["resumed"], r["reference"][2:])) < RESHARD_TOL, r
 
 
 def test_reshard_tensor_parallel_to_full_shard(ranks, tmp_path):
     path = str(tmp_path / "step_2")
-    saved = ranks(2).run(cases.reshard_save, {"tensor_parallel_degree": 2}, path, 2)[0]
-    for r in ranks(2).run(cases.reshard_resume, {}, path, 4):
+    saved = ranks(2).run(cases.reshard_save, config={"tensor_parallel_degree": 2}, path=path, save_at=2)[0]
+    for r in ranks(2).run(cases.reshard_resume, config={}, path=path, steps=4):
         assert not r["tp"] and r["step"] == 2
         assert max(abs(a - b) for a, b in zip(saved, r["reference"][:2])) < RESHARD_TOL, r
         assert max(abs(a - b) for a, b in zip(r["resumed"], r["reference"][2:])) < RESHARD_TOL, r
@@ -113,14 +110,14 @@ def test_reshard_tensor_parallel_to_full_shard(ranks, tmp_path):
 def test_plain_dcp_reads_smp_checkpoint(ranks, hybrid_checkpoint):
     """No smp on the reading side: torch.distributed.checkpoint into an unsharded model."""
     path, _ = hybrid_checkpoint
-    for diff in ranks(2).run(cases.plain_dcp_load, path):
+    for diff in ranks(2).run(cases.plain_dcp_load, path=path):
         assert diff < RESHARD_TOL
 
 
 # --- atomic commits ---------------------------------------------------------------------------
 
 def test_failed_save_leaves_previous_latest(ranks, tmp_path):
-    for r in ranks(2).run(cases.failed_save_keeps_previous, {}, str(tmp_path)):
+    for r in ranks(2).run(cases.failed_save_keeps_previous, config={}, root=str(tmp_path)):
         assert "disk full (injected)" in r["error"], r
         assert r["latest"] == "step_1" and r["step"] == 1 and r["param_diff"] == 0.0, r
         assert r["listing"] == ["step_1"], r  # the failed save cleaned its partial directory
@@ -140,24 +137,24 @@ def test_killed_save_leaves_previous_latest(ranks, tmp_path, point):
     from smp.checkpointing import latest
 
     assert latest(tmp_path) == str(tmp_path / "step_1")
-    for r in ranks(2).run(cases.load_latest_into_fresh, {}, str(tmp_path)):  # world 1 -> 2
+    for r in ranks(2).run(cases.load_latest_into_fresh, config={}, root=str(tmp_path)):  # world 1 -> 2
         assert r["latest"] == "step_1" and r["step"] == 1 and r["param_diff"] == 0.0, r
         assert r["listing"] == ["step_1", "step_3"], r
 
 
 def test_keep_last_and_overwrite(ranks, tmp_path):
-    for r in ranks(2).run(cases.keep_last, {}, str(tmp_path)):
+    for r in ranks(2).run(cases.keep_last, config={}, root=str(tmp_path)):
         assert r["listing"] == ["step_3", "step_4"], r
         assert r["latest"] == "step_3" and r["step"] == 33, r
 
 
 def test_async_save_snapshots_state(ranks, tmp_path):
-    for diff in ranks(2).run(cases.async_snapshot, {}, str(tmp_path)):
+    for diff in ranks(2).run(cases.async_snapshot, config={}, root=str(tmp_path)):
         assert diff == 0.0
 
 
 def test_async_save_committed_by_shutdown(ranks, tmp_path):
-    assert ranks(2).run(cases.async_committed_by_shutdown, {}, str(tmp_path)) == ["b", "b"]
+    assert ranks(2).run(cases.async_committed_by_shutdown, config={}, root=str(tmp_path)) == ["b", "b"]
 
 
 def test_latest_of_empty_or_missing_root(tmp_path):
@@ -183,7 +180,8 @@ EXPORTS = [
 @pytest.mark.parametrize("config,tie,dtype,tol", EXPORTS, ids=["full-shard-2", "tp2-tied", "bf16"])
 def test_export_hf_loads_with_from_pretrained(ranks, tmp_path, config, tie, dtype, tol):
     out = str(tmp_path / "hf")
-    for r in ranks(2).run(cases.export_then_from_pretrained, config, out, 60_000, tie, dtype):
+    for r in ranks(2).run(cases.export_then_from_pretrained, config=config, out=out,
+                          max_shard_bytes=60_000, tie=tie, dtype=dtype):
         assert r["logit_diff"] < tol, r
         assert r["file_dtype"] == {None: "F32", "bfloat16": "BF16"}[dtype], r
         shards = [f for f in r["files"] if f.endswith(".safetensors")]
@@ -197,7 +195,7 @@ def test_export_hf_loads_with_from_pretrained(ranks, tmp_path, config, tie, dtyp
     ({}, False, "float32"), ({}, True, "bfloat16"), ({"tensor_parallel_degree": 2}, True, "float32"),
 ], ids=["untied-fp32", "tied-bf16", "tp2-tied-fp32"])
 def test_load_hf_into_sharded_model(ranks, tmp_path, config, tie, dtype):
-    for r in ranks(2).run(cases.import_hf, config, str(tmp_path / "hf"), tie, dtype):
+    for r in ranks(2).run(cases.import_hf, config=config, hf_dir=str(tmp_path / "hf"), tie=tie, dtype=dtype):
         assert r["files"] > 1, r  # a multi-file checkpoint with an index
         assert r["tp"] == ("tensor_parallel_degree" in config), r
         # Streaming: each rank reads about its half, never the whole model.
@@ -209,7 +207,7 @@ def test_load_hf_into_sharded_model(ranks, tmp_path, config, tie, dtype):
 # --- errors -----------------------------------------------------------------------------------
 
 def test_error_messages(ranks, tmp_path):
-    for e in ranks(2).run(cases.error_messages, {}, str(tmp_path)):
+    for e in ranks(2).run(cases.error_messages, config={}, root=str(tmp_path)):
         assert e["ok"] == ""
         assert "does not exist" in e["missing_dir"]
         assert "latest(root) returns None" in e["none_path"]

@@ -189,7 +189,7 @@ def test_error_feedback_telescopes(kind):
 
 @pytest.mark.parametrize("world,split", [(2, False), (4, False), (4, True)], ids=["w2", "w4", "w4-subgroups"])
 def test_ring_bitwise_equals_default_and_bytes_bound(ranks, world, split):
-    for r in ranks(world).run(cases.ring_vs_default, split):
+    for r in ranks(world).run(cases.ring_vs_default, split=split):
         assert r["rs_equal_sum"] and r["rs_equal_avg"] and r["ag_equal"] and r["ar_equal"], r
         n, size = r["n"], r["size_bytes"]
         assert r["rs_bytes_sum"] == (n - 1) * size // n  # (N-1)/N x S, exactly
@@ -199,7 +199,7 @@ def test_ring_bitwise_equals_default_and_bytes_bound(ranks, world, split):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_reduce_scatter_error_and_bytes(ranks, world, kind):
-    for r in ranks(world).run(cases.quantized_reduce_scatter_case, kind, 256, 512, "torch"):
+    for r in ranks(world).run(cases.quantized_reduce_scatter_case, kind=kind, block=256, cols=512, impl="torch"):
         assert r["within_bound"], r["max_err_over_bound"]
         assert r["max_err"] > 0  # really quantised
         assert r["bytes"] == r["expected_bytes"]
@@ -209,15 +209,15 @@ def test_quantized_reduce_scatter_error_and_bytes(ranks, world, kind):
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_reduce_scatter_triton_equals_torch(ranks, kind):
     pool = ranks(2)
-    torch_out = pool.run(cases.quantized_reduce_scatter_case, kind, 64, 300, "torch")
-    triton_out = pool.run(cases.quantized_reduce_scatter_case, kind, 64, 300, "triton")
+    torch_out = pool.run(cases.quantized_reduce_scatter_case, kind=kind, block=64, cols=300, impl="torch")
+    triton_out = pool.run(cases.quantized_reduce_scatter_case, kind=kind, block=64, cols=300, impl="triton")
     for a, b in zip(torch_out, triton_out):
         assert torch.equal(a["result"], b["result"])
 
 
 @pytest.mark.parametrize("kind", [None, "int8", "fp8"])
 def test_cross_replica_hook_leaves_replicas_identical(ranks, kind):
-    outs = ranks(4).run(cases.cross_replica_hook_case, kind)
+    outs = ranks(4).run(cases.cross_replica_hook_case, kind=kind)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     if kind is None:  # uncompressed ring: the exact mean up to fp32 summation order
         g = [torch.randn(1000, generator=torch.Generator().manual_seed(3000 + r)) for r in range(4)]

@@ -84,6 +84,9 @@ VALID_VALUES: dict[str, st.SearchStrategy] = {
         st.floats(0.001, 1e6, allow_nan=False), st.integers(1, 10**6)
     ),
     "activation_offload_min_bytes": st.integers(0, 1 << 24),
+    "compile": st.one_of(st.booleans(), st.fixed_dictionaries({}, optional={
+        "enabled": st.booleans(), "backend": st.sampled_from(["inductor", "aot_eager", "eager"]),
+    })),
 }
 
 
@@ -99,7 +102,10 @@ def _derived(field) -> st.SearchStrategy:
     if annotation is int:
         low = next((m.ge for m in field.metadata if getattr(m, "ge", None) is not None), 0)
         return st.integers(low, low + 64)
-    return st.just(field.default)
+    default = field.default
+    if hasattr(default, "model_dump"):  # a config section: its defaults, as a file would spell them
+        return st.just(default.model_dump(mode="json"))
+    return st.just(default)
 
 
 VALID_VALUES.update({n: _derived(f) for n, f in SMPConfig.model_fields.items() if n not in VALID_VALUES})

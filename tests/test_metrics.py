@@ -45,6 +45,111 @@ def test_tied_head_counts_once():
     assert metrics.count_matmul_params(tied) == metrics.count_matmul_params(untied) == 90112
 
 
+# count_matmul_params per family against a hand count from the config: L layers of width h,
+# q/k/v/o projections, MLP, the LM head (V x h, tied or not); embedding lookups excluded.
+H, L, V, HEADS, KV_HEADS, INTER = 64, 2, 200, 4, 2, 96
+ATTN = 2 * H * H + 2 * H * KV_HEADS * (H // HEADS)  # q, o: h x h; k, v: h x kv_heads x head_dim
+E, TOP_K = 4, 2  # MoE: experts, experts per token
+
+
+def _llama(tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=INTER, num_hidden_layers=L,
+                                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=V,
+                                        tie_word_embeddings=tie))
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=H, intermediate_size=INTER, num_hidden_layers=L,
+                                        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=V))
+
+
+def _gpt2(**kwargs):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=H, n_layer=L, n_head=HEADS, vocab_size=V, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0, **kwargs))
+
+
+def _gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=H, intermediate_size=INTER, num_hidden_layers=L,
+                                            num_attention_heads=HEADS, vocab_size=V, bos_token_id=0,
+                                            eos_token_id=0, tie_word_embeddings=False))
+
+
+def _plain():
+    from smp.testing.models import TinyTransformer
+
+    return TinyTransformer(vocab=V, dim=H, hidden=INTER, layers=L)
+
+
+def _mixtral(**kwargs):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(hidden_size=H, intermediate_size=INTER, num_hidden_layers=L,
+                                            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                            vocab_size=V, num_local_experts=E, num_experts_per_tok=TOP_K, **kwargs))
+
+
+def _qwen2_moe(**kwargs):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(hidden_size=H, intermediate_size=INTER, moe_intermediate_size=48,
+                                              shared_expert_intermediate_size=80, num_hidden_layers=L,
+                                              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                              vocab_size=V, num_experts=E, num_experts_per_tok=TOP_K, **kwargs))
+
+
+HAND_COUNTS = {
+    # gate/up/down 3 x h x I per layer.
+    "llama-tied": (lambda: _llama(True), L * (ATTN + 3 * H * INTER) + V * H),
+    "llama-untied": (lambda: _llama(False), L * (ATTN + 3 * H * INTER) + V * H),
+    "qwen2": (_qwen2, L * (ATTN + 3 * H * INTER) + V * H),  # q/k/v biases are not matmul weights
+    # Conv1D c_attn (h x 3h), c_proj (h x h), c_fc (h x 4h), mlp c_proj (4h x h); tied head.
+    # (Counting nn.Linear only finds the head: V x h, 1/9 of this.)
+    "gpt2": (_gpt2, L * 12 * H * H + V * H),
+    # Fused query_key_value (h x 3h), dense (h x h), h x I up and down; untied embed_out.
+    "gpt_neox": (_gpt_neox, L * (4 * H * H + 2 * H * INTER) + V * H),
+    # attn_in (h x 3h), attn_out (h x h), up / down (h x I); untied head.
+    "plain": (_plain, L * (4 * H * H + 2 * H * INTER) + V * H),
+    # Router (E x h) and top_k of E experts of gate_up (2I x h) + down (h x I).
+    "mixtral": (_mixtral, L * (ATTN + E * H + TOP_K * 3 * H * INTER) + V * H),
+    # Plus a shared expert (3 x h x 80, always on) and its 1 x h gate; experts of width 48.
+    "qwen2_moe": (_qwen2_moe, L * (ATTN + E * H + TOP_K * 3 * H * 48 + 3 * H * 80 + H) + V * H),
+}
+
+
+@pytest.mark.parametrize("family", list(HAND_COUNTS))
+def test_matmul_params_hand_count_per_family(family):
+    build, expected = HAND_COUNTS[family]
+    with torch.device("meta"):
+        model = build()
+    assert metrics.count_matmul_params(model) == expected
+    # Not vacuous: every parameter counted once would be a different number.
+    assert sum(p.numel() for p in model.parameters()) != expected
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mixtral", "qwen2_moe"])
+def test_flops_formula_equals_torch_flop_counter_per_family(family):
+    """6N + 12 L H D T against torch's FLOP counter for a Conv1D model and two MoE models:
+    each token runs through exactly top_k experts, so the count does not depend on routing.
+    Eager attention and eager experts: plain matmuls, which the counter sees."""
+    build = {"gpt2": _gpt2, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe}[family]
+    torch.manual_seed(0)
+    kwargs = {"attn_implementation": "eager"} | ({} if family == "gpt2" else {"experts_implementation": "eager"})
+    model = build(**kwargs)
+    batch, seq = 2, 16
+    ids = torch.randint(0, V, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert counter.get_total_flops() / (batch * seq) == metrics.model_flops(model).per_token(seq)
+
+
 def test_model_flops_needs_shape_for_plain_models():
     with pytest.raises(ValueError, match="layers="):
         metrics.model_flops(torch.nn.Linear(4, 4))

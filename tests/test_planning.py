@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from smp.config import ConfigError
-from smp.planning import ModelSpecError, plan, resolve_model_config
+from smp.models import ModelSpecError, resolve_model_config
+from smp.planning import plan
 from smp.testing.models import tiny_llama_config
 from tests import planning_cases
 
-TOLERANCE = 0.05  # the issue's bar; measured agreement is reported by the assertion messages
+TOLERANCE = 0.05  # the plan may be 5% off a real run; measured agreement is reported by the assertion messages
 
 
 def _rel(planned: int, measured: int) -> float:
@@ -25,7 +26,7 @@ def _rel(planned: int, measured: int) -> float:
 def test_plan_matches_measured_bytes(ranks, world, config):
     """Parameter, gradient and AdamW-state bytes per rank: plan (meta + fake process group) vs
     a real gloo run of the same config after one optimizer step. Seen: equal to the byte."""
-    measured = ranks(world).run(planning_cases.measured_bytes, config)
+    measured = ranks(world).run(planning_cases.measured_bytes, config=config)
     for rank, got in enumerate(measured):
         p = plan(config, tiny_llama_config(), world, rank=rank, seq_len=16, micro_batch=2)
         for key, planned in (("params", p.param_bytes), ("grads", p.grad_bytes), ("optimizer", p.optimizer_bytes)):
@@ -46,7 +47,7 @@ def test_plan_matches_measured_bytes(ranks, world, config):
 def test_plan_comm_bytes_match_counted_bytes(ranks, world, config):
     """The plan's all-gather, reduce-scatter and cross-replica all-reduce bytes per rank equal
     what smp_collectives' ring collectives count in a real training step (forward + backward)."""
-    measured = ranks(world).run(planning_cases.measured_bytes, config)
+    measured = ranks(world).run(planning_cases.measured_bytes, config=config)
     planned = plan(config, tiny_llama_config(), world, seq_len=16, micro_batch=2).comm_bytes
     for got in measured:
         counted = got["sync"]
@@ -61,7 +62,7 @@ def test_plan_comm_bytes_match_counted_bytes(ranks, world, config):
 
 def test_plan_quantized_reduce_scatter_bytes(ranks):
     """int8: the plan's reduce-scatter bytes equal what the quantised collective counts."""
-    measured = ranks(2).run(planning_cases.measured_bytes, {"gradient_sync": "int8"})
+    measured = ranks(2).run(planning_cases.measured_bytes, config={"gradient_sync": "int8"})
     planned = plan({"gradient_sync": "int8"}, tiny_llama_config(), 2, seq_len=16, micro_batch=2).comm_bytes
     fp32 = plan({}, tiny_llama_config(), 2, seq_len=16, micro_batch=2).comm_bytes
     assert planned["reduce_scatter"] < 0.27 * fp32["reduce_scatter"]

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 
 import smp
 from smp.reliability import PEER_FAILURE_EXIT_CODE
+from smp.testing import free_port
 from smp.testing.models import TinyTransformer
 from tests import reliability_cases
 
@@ -32,12 +32,6 @@ WORKER = str(ROOT / "tests" / "reliability_worker.py")
 # Wall-clock bound for one launch: start-up (~10 s per rank on a loaded 2-core machine) plus
 # the failure handling (< 10 s). Far below the default 600 s collective timeout a hang would hit.
 DEADLINE = 150.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -68,7 +62,7 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> tuple[list[int 
 def _launch(world: int, args: list[str], tmp_path: Path, deadline: float = DEADLINE):
     """One process per rank, as torchrun would start them, but with no agent that kills the
     others: what stops them here is smp (or the collective timeout)."""
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for rank in range(world):
         log = tmp_path / f"rank{rank}.log"
@@ -246,7 +240,8 @@ def test_bad_action_is_an_error():
 def test_nonfinite_on_one_rank_is_seen_by_all(ranks, action, guarded):
     """FSDP: the NaN is in rank 1's shard only; both ranks report it and decide alike, also
     inside step_guard (an agreed error: no rank is blamed or stopped)."""
-    results = ranks(2).run(reliability_cases.nonfinite_on_one_rank, 1, "layers.0.down.weight", action, guarded)
+    results = ranks(2).run(reliability_cases.nonfinite_on_one_rank, bad_rank=1, param_name="layers.0.down.weight",
+                           action=action, guarded=guarded)
     if action == "raise":
         for r in results:
             assert r["parameters"] == ["layers.0.down.weight"] and r["modules"] == ["layers.0.down"]
@@ -267,7 +262,7 @@ def test_config_timeout_reaches_every_mesh_group(ranks):
     smp.init sets collective_timeout_seconds on each. The pool owns the default group (90 s),
     so a dim that reuses it keeps the pool's value."""
     config = {"hybrid_shard_degree": 2, "collective_timeout_seconds": 17}
-    for per_rank in ranks(4).run(reliability_cases.mesh_group_timeouts, config):
+    for per_rank in ranks(4).run(reliability_cases.mesh_group_timeouts, config=config):
         assert set(per_rank) == {"dp_replicate", "dp_shard", "tp", "dp"}
         for name, (seconds, is_default) in per_rank.items():
             assert seconds == (90.0 if is_default else 17.0), (name, seconds, is_default)

@@ -47,27 +47,27 @@ MATRIX = [(w, c, n, k) for (w, c, n) in CASES for k in KINDS if not (k == "user"
 
 @pytest.mark.parametrize("world,config,name,kind", MATRIX, ids=[f"{m[2]}-{m[3]}" for m in MATRIX])
 def test_matches_single_process(ranks, world, config, name, kind):
-    _check(ranks(world).run(tp_cases.equivalence, config, kind, timeout=240))
+    _check(ranks(world).run(tp_cases.equivalence, config=config, kind=kind, timeout=240))
 
 
 def test_gpt_neox_with_sequence_parallel(ranks):
-    _check(ranks(2).run(tp_cases.equivalence, TP2_SP, "gpt_neox"))
+    _check(ranks(2).run(tp_cases.equivalence, config=TP2_SP, kind="gpt_neox"))
 
 
 def test_tp4_with_sequence_parallel(ranks):
     """TP=4 at world 4: 8 heads and 4 key/value heads, 2 and 1 per rank."""
     config = {"tensor_parallel_degree": 4, "tensor_parallel": {"sequence_parallel": True}}
-    _check(ranks(4).run(tp_cases.equivalence, config, "llama8"))
+    _check(ranks(4).run(tp_cases.equivalence, config=config, kind="llama8"))
 
 
 @pytest.mark.parametrize("world,kind", [(2, "user"), (4, "llama")])
 def test_delayed_init_with_tp(ranks, world, kind):
-    for diff in ranks(world).run(tp_cases.delayed_init_params, TP2, kind):
+    for diff in ranks(world).run(tp_cases.delayed_init_params, config=TP2, kind=kind):
         assert diff == 0.0  # bitwise: same RNG draws, same order, then split
 
 
 def test_dropout_under_sequence_parallel(ranks):
-    results = ranks(2).run(tp_cases.dropout_run, TP2_SP)
+    results = ranks(2).run(tp_cases.dropout_run, config=TP2_SP)
     assert results[0] == results[1]  # a TP group computes one loss
     train_loss, eval_loss = results[0]
     assert train_loss != eval_loss  # dropout was active in training
@@ -76,7 +76,7 @@ def test_dropout_under_sequence_parallel(ranks):
 def test_hybrid_shard_with_tp(ranks):
     """TP=2 x replicate 2 (HSDP over the dp axes) with loss parallel."""
     config = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 1, "tensor_parallel": {"loss_parallel": True}}
-    _check(ranks(4).run(tp_cases.equivalence, config, "llama"))
+    _check(ranks(4).run(tp_cases.equivalence, config=config, kind="llama"))
 
 
 @pytest.mark.parametrize("kind,extra", [
@@ -84,55 +84,55 @@ def test_hybrid_shard_with_tp(ranks):
     ("llama", {"activation_checkpointing": "selective"}),
 ], ids=["gpt2-full-ac-sp", "llama-selective-ac"])
 def test_composes_with_activation_checkpointing(ranks, kind, extra):
-    _check(ranks(2).run(tp_cases.equivalence, dict(TP2, **extra), kind))
+    _check(ranks(2).run(tp_cases.equivalence, config=dict(TP2, **extra), kind=kind))
 
 
 def test_composes_with_bf16_mixed_precision(ranks):
     config = dict(TP2, mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32"})
-    for report in ranks(2).run(tp_cases.equivalence, config, "llama"):
+    for report in ranks(2).run(tp_cases.equivalence, config=config, kind="llama"):
         assert 0.0 < report["loss_diff"] < 2e-2, report  # bf16 compute really ran: ~3e-4 seen
         assert report["grad_diff"] < 1e-2, report  # ~1e-3 seen
 
 
 def test_model_loss_equals_helper_loss(ranks):
     """The HF model's own `labels=` loss and smp's causal_lm_loss both work on sharded logits."""
-    _check(ranks(2).run(tp_cases.equivalence, TP2_SP_LOSS, "llama", 2, False))
+    _check(ranks(2).run(tp_cases.equivalence, config=TP2_SP_LOSS, kind="llama", hf_loss=False))
 
 
 def test_missing_all_reduce_is_caught(ranks):
-    reports = ranks(2).run(tp_cases.equivalence, TP2, "llama", 1, True, True)
+    reports = ranks(2).run(tp_cases.equivalence, config=TP2, kind="llama", steps=1, corrupt=True)
     assert max(r["grad_diff"] for r in reports) > 100 * GRAD_TOL
 
 
 def test_plan_sources(ranks):
     pool = ranks(2)
-    llama = pool.run(tp_cases.plan_of, TP2, "llama")[0]
+    llama = pool.run(tp_cases.plan_of, config=TP2, kind="llama")[0]
     assert llama["source"] == "LlamaForCausalLM's own transformers plan"
     assert llama["plan"]["model.layers.1.self_attn.k_proj"] == "colwise"
     assert llama["plan"]["lm_head"] == "colwise_gather_output"
-    gpt2 = pool.run(tp_cases.plan_of, TP2, "gpt2")[0]
+    gpt2 = pool.run(tp_cases.plan_of, config=TP2, kind="gpt2")[0]
     assert gpt2["source"] == "smp's table for model_type 'gpt2'"
     assert gpt2["plan"]["transformer.h.0.attn.c_attn"] == "packed_qkv_colwise"
     assert gpt2["tied"] and not llama["tied"]  # GPT-2's head and embedding still share one weight
-    sp = pool.run(tp_cases.plan_of, TP2_SP, "llama")[0]["plan"]
+    sp = pool.run(tp_cases.plan_of, config=TP2_SP, kind="llama")[0]["plan"]
     assert sp["model.layers.0.input_layernorm"] == "sequence_parallel"
     assert sp["model.layers.0.self_attn"] == "gather_sequence"
     assert sp["model.norm"] == "sequence_parallel"
     from_config = {"tensor_parallel_degree": 2, "tensor_parallel": {"plan": tp_cases.USER_PLAN}}
-    user = pool.run(tp_cases.transform_error, from_config, "user")
+    user = pool.run(tp_cases.transform_error, config=from_config, kind="user")
     assert user == ["", ""]  # the config's plan is used when no tp_plan argument is given
 
 
 def test_loss_parallel_keeps_logits_sharded(ranks):
     pool = ranks(2)
-    layouts = pool.run(tp_cases.logits_layout, TP2_SP_LOSS, "llama")
+    layouts = pool.run(tp_cases.logits_layout, config=TP2_SP_LOSS, kind="llama")
     assert layouts[0] == f"DTensor(Shard(dim=2),) local (2, {tp_cases.SEQ}, {tp_cases.VOCAB // 2})"
-    assert pool.run(tp_cases.logits_layout, TP2, "llama")[0] == f"Tensor (2, {tp_cases.SEQ}, {tp_cases.VOCAB})"
+    assert pool.run(tp_cases.logits_layout, config=TP2, kind="llama")[0] == f"Tensor (2, {tp_cases.SEQ}, {tp_cases.VOCAB})"
 
 
 @pytest.mark.parametrize("world,kind", [(2, "gpt2"), (4, "llama")])
 def test_clip_grad_norm_under_tp(ranks, world, kind):
-    for norm_diff, grad_diff in ranks(world).run(tp_cases.clip_equivalence, TP2, kind):
+    for norm_diff, grad_diff in ranks(world).run(tp_cases.clip_equivalence, config=TP2, kind=kind):
         assert norm_diff < 1e-5 and grad_diff < 1e-7, (norm_diff, grad_diff)
 
 
@@ -145,12 +145,12 @@ def test_clip_grad_norm_under_tp(ranks, world, kind):
     (TP2_SP, {"reduce_scatter_tensor": 5, "all_gather_into_tensor": 5, "all_reduce": 5}),
 ], ids=["tp2", "tp2-sp"])
 def test_backward_reduces_once_per_region(ranks, config, expected):
-    counts = ranks(2).run(tp_cases.backward_collectives, config, "llama")
+    counts = ranks(2).run(tp_cases.backward_collectives, config=config, kind="llama")
     assert counts[0] == expected, counts[0]
 
 
 def test_tp_group_shares_the_batch(ranks):
-    states = ranks(4).run(tp_cases.batch_rows, TP2)
+    states = ranks(4).run(tp_cases.batch_rows, config=TP2)
     assert [s["tp_rank"] for s in states] == [0, 1, 0, 1]
     assert all(s["tp_size"] == 2 for s in states)
     assert [s["dp_rank"] for s in states] == [0, 0, 1, 1]
@@ -159,7 +159,7 @@ def test_tp_group_shares_the_batch(ranks):
 
 
 def test_parameter_bytes_per_rank(ranks):
-    for local, full in ranks(2).run(tp_cases.param_bytes, TP2, "llama"):
+    for local, full in ranks(2).run(tp_cases.param_bytes, config=TP2, kind="llama"):
         # Everything but the norms (a few hundred bytes) is split in two.
         assert full / 2 <= local <= 0.52 * full, (local, full)
 
@@ -167,7 +167,7 @@ def test_parameter_bytes_per_rank(ranks):
 @pytest.mark.parametrize("world,kind", [(2, "user"), (4, "gpt2")])
 def test_full_state_dict_keeps_original_layout(ranks, world, kind):
     """Packed qkv weights are split per part, yet the gathered checkpoint is the original."""
-    for keys, diff in ranks(world).run(tp_cases.full_state_dict_diff, TP2, kind):
+    for keys, diff in ranks(world).run(tp_cases.full_state_dict_diff, config=TP2, kind=kind):
         assert keys == [] and diff == 0.0, (keys, diff)
 
 
@@ -175,31 +175,32 @@ def test_full_state_dict_keeps_original_layout(ranks, world, kind):
 
 
 def test_no_plan_says_how_to_pass_one(ranks):
-    for message in ranks(2).run(tp_cases.transform_error, TP2, "user"):
+    for message in ranks(2).run(tp_cases.transform_error, config=TP2, kind="user"):
         assert "has no tensor-parallel plan" in message
         assert "tp_plan=" in message and "tensor_parallel: {plan:" in message
 
 
 def test_kv_heads_not_divisible(ranks):
     config = {"tensor_parallel_degree": 2}
-    errors = ranks(2).run(tp_cases.transform_error, config, "llama", None, {"num_key_value_heads": 1})
+    errors = ranks(2).run(tp_cases.transform_error, config=config, kind="llama",
+                          model_overrides={"num_key_value_heads": 1})
     for message in errors:
         assert "num_key_value_heads=1" in message and "tensor_parallel_degree=2" in message
 
 
 def test_user_model_sequence_parallel_error(ranks):
-    for message in ranks(2).run(tp_cases.transform_error, TP2_SP, "user", tp_cases.USER_PLAN):
+    for message in ranks(2).run(tp_cases.transform_error, config=TP2_SP, kind="user", plan=tp_cases.USER_PLAN):
         assert "sequence_parallel" in message and "layers.0" in message
 
 
 def test_bad_plans(ranks):
     pool = ranks(2)
     bad_style = dict(tp_cases.USER_PLAN, **{"layers.*.up": "columnwise"})
-    for message in pool.run(tp_cases.transform_error, TP2, "user", bad_style):
+    for message in pool.run(tp_cases.transform_error, config=TP2, kind="user", plan=bad_style):
         assert "unknown style 'columnwise'" in message and "colwise" in message
     typo = dict(tp_cases.USER_PLAN, **{"layers.*.upp": "colwise"})
-    for message in pool.run(tp_cases.transform_error, TP2, "user", typo):
+    for message in pool.run(tp_cases.transform_error, config=TP2, kind="user", plan=typo):
         assert "'layers.*.upp' matches no module" in message
     wrong_module = dict(tp_cases.USER_PLAN, **{"layers.*.norm": "colwise"})
-    for message in pool.run(tp_cases.transform_error, TP2, "user", wrong_module):
+    for message in pool.run(tp_cases.transform_error, config=TP2, kind="user", plan=wrong_module):
         assert "cannot split 'layers.0.norm' (LayerNorm)" in message

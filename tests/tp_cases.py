@@ -79,8 +79,7 @@ def equivalence(config: dict, kind: str, steps: int = 2, hf_loss: bool = True, c
     `corrupt` skips the TP all-reduce of one layer's output (its partial sums stay local),
     which the comparison must catch.
     """
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         reference = build(kind)
         model = copy.deepcopy(reference)
@@ -108,8 +107,6 @@ def equivalence(config: dict, kind: str, steps: int = 2, hf_loss: bool = True, c
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
         return report
-    finally:
-        smp.shutdown()
 
 
 def _skip_one_all_reduce(model: nn.Module) -> None:
@@ -130,21 +127,17 @@ def _skip_one_all_reduce(model: nn.Module) -> None:
 
 def plan_of(config: dict, kind: str) -> dict:
     """Which plan smp picked and what it applied where (no training)."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         model = smp.transform(build(kind), tp_plan=_plan(kind))
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         return {"source": model._smp_tp_plan_source, "plan": dict(model._smp_tp_plan),
                 "tied": head.weight is embed.weight}
-    finally:
-        smp.shutdown()
 
 
 def transform_error(config: dict, kind: str, plan: dict | None = None, model_overrides: dict | None = None) -> str:
     """The ConfigError smp.transform raises for this model/config ('' if none)."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         if kind == "llama" and model_overrides:
             model = tiny_llama(vocab_size=VOCAB, **model_overrides)
@@ -155,14 +148,11 @@ def transform_error(config: dict, kind: str, plan: dict | None = None, model_ove
         except smp.ConfigError as e:
             return str(e)
         return ""
-    finally:
-        smp.shutdown()
 
 
 def clip_equivalence(config: dict, kind: str) -> tuple[float, float]:
     """smp.clip_grad_norm_ on the TP x FSDP model vs torch's on the unsharded one."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         reference = build(kind)
         model = smp.transform(copy.deepcopy(reference), tp_plan=_plan(kind))
@@ -172,25 +162,19 @@ def clip_equivalence(config: dict, kind: str) -> tuple[float, float]:
         norm = smp.clip_grad_norm_(model, 0.01)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
         return abs(float(norm) - float(ref_norm)), max_grad_diff(model, reference)
-    finally:
-        smp.shutdown()
 
 
 def batch_rows(config: dict) -> dict:
     """The rows of a global batch this rank trains on, and its mesh coordinates."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         batch = torch.arange(8).unsqueeze(1)
         return {"rows": local_rows(batch).flatten().tolist(), "tp_rank": smp.state.tp_rank,
                 "tp_size": smp.state.tp_size, "dp_rank": smp.state.dp_rank}
-    finally:
-        smp.shutdown()
 
 
 def logits_layout(config: dict, kind: str) -> str:
     """How the LM head hands out its logits: a plain tensor, or (loss parallel) a DTensor."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         model = smp.transform(build(kind), tp_plan=_plan(kind))
         ids = random_batch(2, SEQ, VOCAB, seed=1)
@@ -198,29 +182,23 @@ def logits_layout(config: dict, kind: str) -> str:
         if isinstance(out, DTensor):
             return f"DTensor{tuple(out.placements)} local {tuple(out.to_local().shape)}"
         return f"Tensor {tuple(out.shape)}"
-    finally:
-        smp.shutdown()
 
 
 def param_bytes(config: dict, kind: str) -> tuple[int, int]:
     """(this rank's parameter bytes, the full model's parameter bytes)."""
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         model = build(kind)
         full = sum(p.numel() * p.element_size() for p in model.parameters())
         model = smp.transform(model, tp_plan=_plan(kind))
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
         return local, full
-    finally:
-        smp.shutdown()
 
 
 def delayed_init_params(config: dict, kind: str) -> float:
     """Largest difference between a model built on meta (delayed init) then TP x FSDP-sharded,
     and the same model built eagerly: parameters must be bitwise equal."""
-    smp.init(dict(config, delayed_param_initialization=True))
-    try:
+    with smp.session(dict(config, delayed_param_initialization=True)):
         torch.manual_seed(smp.state.config.random_seed)
         reference = build(kind)
         torch.manual_seed(smp.state.config.random_seed)
@@ -229,16 +207,13 @@ def delayed_init_params(config: dict, kind: str) -> float:
         model = smp.transform(model, tp_plan=_plan(kind))
         ref_params = dict(reference.named_parameters())
         return max(float((full_tensor(p.detach()) - ref_params[n]).abs().max()) for n, p in model.named_parameters())
-    finally:
-        smp.shutdown()
 
 
 def dropout_run(config: dict) -> tuple[float, float]:
     """GPT-2 with dropout 0.1 under TP (+SP): (training loss, eval loss) on one batch."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         model = smp.transform(GPT2LMHeadModel(GPT2Config(
             n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.1,
@@ -251,8 +226,6 @@ def dropout_run(config: dict) -> tuple[float, float]:
         with torch.no_grad():
             eval_loss = model(input_ids=ids, labels=ids).loss
         return float(loss), float(eval_loss)
-    finally:
-        smp.shutdown()
 
 
 def full_state_dict_diff(config: dict, kind: str) -> tuple[list[str], float]:
@@ -260,8 +233,7 @@ def full_state_dict_diff(config: dict, kind: str) -> tuple[list[str], float]:
     differ, and the largest value difference (checkpoints keep the original layout)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         reference = build(kind)
         model = smp.transform(copy.deepcopy(reference), tp_plan=_plan(kind))
@@ -270,16 +242,13 @@ def full_state_dict_diff(config: dict, kind: str) -> tuple[list[str], float]:
         keys = sorted(set(full) ^ set(ref))
         diff = max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref if k in full)
         return keys, diff
-    finally:
-        smp.shutdown()
 
 
 def backward_collectives(config: dict, kind: str) -> dict[str, int]:
     """Collectives that tensor parallel issues in one backward (FSDP off: world == tp)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    smp.init(config)
-    try:
+    with smp.session(config):
         torch.manual_seed(0)
         model = smp.transform(build(kind))
         batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=3)
@@ -287,5 +256,3 @@ def backward_collectives(config: dict, kind: str) -> dict[str, int]:
         with CommDebugMode() as comm:
             loss.backward()
         return {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items()}
-    finally:
-        smp.shutdown()

@@ -13,6 +13,7 @@ Install on a module built with `fully_shard`:
 """
 
 from smp_collectives import counters, ring
+from smp_collectives._version import __version__
 from smp_collectives.comms import (
     CrossReplicaAllReduce,
     QuantizedReduceScatter,
@@ -24,9 +25,8 @@ from smp_collectives.comms import (
     quantized_reduce_scatter,
 )
 from smp_collectives.error_feedback import Residual
-from smp_collectives.quantization import KINDS, dequantize, dequantize_accumulate, error_bound, quantize
-
-__version__ = "0.1.0"
+from smp_collectives.formats import KINDS
+from smp_collectives.quantization import dequantize, dequantize_accumulate, error_bound, quantize
 
 __all__ = [
     "KINDS",

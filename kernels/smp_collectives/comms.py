@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from smp_collectives import counters, ring
 from smp_collectives.error_feedback import Residual
-from smp_collectives.quantization import _check, _workspace, dequantize, dequantize_accumulate, num_blocks, quantize
+from smp_collectives.formats import check_format, num_blocks
+from smp_collectives.quantization import _workspace, dequantize, dequantize_accumulate, quantize
 
 
 class _Alloc:
@@ -112,7 +113,7 @@ class QuantizedReduceScatter(_Alloc):
     """FSDP2 reduce-scatter that sends int8 / fp8 codes; one instance per FSDP module."""
 
     def __init__(self, kind: str, block: int = 256, error_feedback: bool = True, impl: str = "auto"):
-        _check(kind, block)
+        check_format(kind, block)
         self.kind, self.block, self.impl = kind, block, impl
         self.residual = Residual() if error_feedback else None
 
@@ -136,7 +137,7 @@ class CrossReplicaAllReduce:
     def __init__(self, group: dist.ProcessGroup, kind: str | None = None, block: int = 256,
                  error_feedback: bool = True, impl: str = "auto"):
         if kind is not None:
-            _check(kind, block)
+            check_format(kind, block)
         self.group, self.kind, self.block, self.impl = group, kind, block, impl
         self.residuals = (Residual(), Residual()) if (error_feedback and kind) else None
 

@@ -24,24 +24,11 @@ tests assert the two paths agree bitwise.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
-QMAX = {"int8": 127.0, "fp8": 448.0}
-KINDS = tuple(QMAX)
-
-
-def num_blocks(cols: int, block: int) -> int:
-    return math.ceil(cols / block)
-
-
-def _check(kind: str, block: int) -> None:
-    if kind not in QMAX:
-        raise ValueError(f"unknown quantisation kind {kind!r}; use one of {KINDS}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block size must be a power of two >= 16, got {block}")
+from smp_collectives.formats import QMAX, check_format, num_blocks
 
 
 # ------------------------------------------------------------------------------------------
@@ -150,7 +137,7 @@ def quantize_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [rows, cols], scales fp32 [rows, blocks]); updates `residual` in place.
     `out`: where the codes go (uint8 [rows, cols], rows contiguous; e.g. a message buffer)."""
-    _check(kind, block)
+    check_format(kind, block)
     rows, cols = x.shape
     codes = out if out is not None else torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
     scale = torch.empty((rows, num_blocks(cols, block)), dtype=torch.float32, device=x.device)
@@ -207,6 +194,7 @@ def dequantize_accumulate_torch(
 
 # ------------------------------------------------------------------------------------------
 # Dispatch: Triton on GPUs (or forced, e.g. under TRITON_INTERPRET=1 in tests), torch elsewhere
+# (triton_kernels is imported on first use: it imports triton, an optional dependency).
 
 
 def _use_triton(x: torch.Tensor, impl: str) -> bool:

@@ -6,7 +6,7 @@ multiply, subtract: ~9 kernels and as many round trips through memory).
 Every operation is an IEEE fp32 add/multiply/correctly-rounded divide (`tl.div_rn`) or an
 integer bit operation, in the same order as the torch reference in `quantization.py`, so the two
 agree bitwise. Two deliberate choices make that hold under TRITON_INTERPRET=1 too, whose
-float->int8/fp8 casts truncate instead of rounding (PLATFORM.md):
+float->int8/fp8 casts truncate instead of rounding (see docs/platform.md):
   * round-to-nearest-even by the magic-number trick `(y + 1.5 * 2**23) - 1.5 * 2**23` (exact
     for |y| < 2**22) before any cast, so every cast is of a value that is already exact;
   * fp8 e4m3fn codes built with integer operations on the fp32 bits, never a float8 cast.
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from smp_collectives.quantization import QMAX, _check, num_blocks
+from smp_collectives.formats import QMAX, check_format, num_blocks
 
 _TILE = 4096  # elements per program: fewer programs is what the interpreter pays for
 
@@ -123,7 +123,7 @@ def _group(block: int) -> int:
 
 
 def quantize(x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | None = None):
-    _check(kind, block)
+    check_format(kind, block)
     x = x.contiguous()
     rows, cols = x.shape
     nb = num_blocks(cols, block)
@@ -144,7 +144,7 @@ def quantize(x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | No
 def dequantize_accumulate(
     q: torch.Tensor, scale: torch.Tensor, block: int, kind: str, divisor: float = 1.0, out: torch.Tensor | None = None
 ):
-    _check(kind, block)
+    check_format(kind, block)
     rows, cols = q.shape
     nb = num_blocks(cols, block)
     if out is None:
@@ -162,7 +162,7 @@ def dequantize(
     q: torch.Tensor, scale: torch.Tensor, block: int, kind: str, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Each row decoded on its own (no sum), in one launch: rows on grid axis 1."""
-    _check(kind, block)
+    check_format(kind, block)
     rows, cols = q.shape
     nb = num_blocks(cols, block)
     if out is None:

@@ -14,29 +14,44 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from smp.activations.ops import op_matcher
-from smp.config import ActivationCheckpointingConfig, ConfigError, SMPConfig
+from smp.errors import ConfigError
+
+MODES = ("none", "full", "selective")
 
 
-def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module], config: SMPConfig) -> list[nn.Module]:
-    """Checkpoint every n-th block in place; returns `blocks` unchanged (same objects, same order)."""
-    ac = config.activation_checkpointing
-    if ac.mode == "none":
+def apply_activation_checkpointing(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    *,
+    mode: str,
+    every_n_layers: int = 1,
+    save_ops: Sequence[str] = (),
+) -> list[nn.Module]:
+    """Checkpoint every n-th block in place; returns `blocks` unchanged (same objects, same order).
+
+    `mode`: "none", "full" (recompute whole blocks) or "selective" (keep the outputs of the ops
+    in `save_ops`, recompute the rest); the config's `activation_checkpointing` documents each.
+    """
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {MODES}, got {mode!r}")
+    if mode == "none":
         return blocks
     if not blocks:
         raise ConfigError(
-            f"activation_checkpointing: {ac.mode} found no blocks to checkpoint in "
+            f"activation_checkpointing: {mode} found no blocks to checkpoint in "
             f"{type(model).__name__}; name the block class in shard_modules"
         )
     _disable_kv_cache(model)
-    context_fn = selective_context_fn(ac) if ac.mode == "selective" else noop_context_fn
+    context_fn = selective_context_fn(save_ops) if mode == "selective" else noop_context_fn
     for index, block in enumerate(blocks):
-        if index % ac.every_n_layers == 0:
+        if index % every_n_layers == 0:
             # An instance attribute: nn.Module.__call__ (and FSDP's hooks around it) call it.
             block.__dict__["forward"] = CheckpointedForward(block, context_fn, block.__dict__.get("forward"))
     return blocks
@@ -59,13 +74,16 @@ class CheckpointedForward:
         forward = self.inner or functools.partial(type(self.module).forward, self.module)
         if not torch.is_grad_enabled():  # eval / no_grad: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
+        # context_fn only when one is set: under torch.compile (smp/compile.py) the `is` test is
+        # also what makes dynamo resolve the attribute, which its checkpoint tracing needs.
+        context = {} if self.context_fn is noop_context_fn else {"context_fn": self.context_fn}
+        return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
 
 
-def selective_context_fn(ac: ActivationCheckpointingConfig):
-    """context_fn for torch's checkpoint: save the outputs of `ac.save_ops`, recompute the rest."""
+def selective_context_fn(save_ops: Sequence[str]):
+    """context_fn for torch's checkpoint: save the outputs of `save_ops`, recompute the rest."""
     # A fresh pair of contexts per checkpointed call: they cache that call's saved outputs.
-    return functools.partial(create_selective_checkpoint_contexts, SaveListPolicy(ac.save_ops))
+    return functools.partial(create_selective_checkpoint_contexts, SaveListPolicy(list(save_ops)))
 
 
 class SaveListPolicy:

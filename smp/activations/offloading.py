@@ -26,21 +26,22 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from smp.config import ConfigError, SMPConfig
+from smp.errors import ConfigError
 
 
-def apply_activation_offloading(model: nn.Module, blocks: list[nn.Module], config: SMPConfig) -> None:
-    """Install an offloader on `blocks` (in forward order); `offload_stats(model)` reads it."""
-    if not config.sm_activation_offloading:
-        return
+def apply_activation_offloading(model: nn.Module, blocks: list[nn.Module], *, horizon: int, min_bytes: int) -> None:
+    """Install an offloader on `blocks` (in forward order); `offload_stats(model)` reads it.
+
+    `horizon`: how many blocks' activations come back ahead of backward; `min_bytes`: smaller
+    saved tensors stay on the device (the config's `activation_loading_horizon` and
+    `activation_offload_min_bytes`).
+    """
     if not blocks:
         raise ConfigError(
             f"sm_activation_offloading found no blocks in {type(model).__name__} to offload; "
             "name the block class in shard_modules"
         )
-    offloader = ActivationOffloader(
-        blocks, horizon=config.activation_loading_horizon, min_bytes=config.activation_offload_min_bytes
-    )
+    offloader = ActivationOffloader(blocks, horizon=horizon, min_bytes=min_bytes)
     offloader.attach()
     # A plain attribute (not a submodule, not state): invisible to state_dict and FSDP.
     object.__setattr__(model, "_smp_activation_offloader", offloader)

@@ -5,11 +5,72 @@ and Hugging Face safetensors export/import.
     extra = smp.checkpointing.load(smp.checkpointing.latest("ckpt"), model, optimizer)
     smp.checkpointing.export_hf("out/hf", model)
     smp.checkpointing.load_hf("some/local/hf_dir", model)
+
+This is the public entry point: `save` and `export_hf` read smp's run (when `smp.init` ran)
+here and pass it to sharded.py / hf.py as plain values; those work under any torch.distributed
+process group and never read smp's global state.
 """
 
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp import runtime
+from smp.checkpointing import hf, sharded
 from smp.checkpointing.atomic import latest
-from smp.checkpointing.hf import export_hf, load_hf
-from smp.checkpointing.metadata import CheckpointError
-from smp.checkpointing.sharded import load, save, wait
+from smp.checkpointing.hf import DEFAULT_MAX_SHARD_BYTES, load_hf
+from smp.checkpointing.sharded import load, wait
+from smp.errors import CheckpointError
+from smp.mesh import ParallelDims
 
 __all__ = ["CheckpointError", "export_hf", "latest", "load", "load_hf", "save", "wait"]
+
+# A pending async save commits before smp.shutdown destroys the process group.
+runtime.register_shutdown_hook(sharded.wait_at_shutdown)
+
+
+def _dims() -> ParallelDims | None:
+    return runtime.current().dims if runtime.is_initialized() else None
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Any = None,
+    *,
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> None:
+    """Save a sharded checkpoint of `model` (and `optimizer`, and `extra`) to `path`. Collective.
+
+    `extra` is any picklable object (step, scheduler state, data-loader position), saved per
+    rank together with the rank's RNG states and handed back by `load`. With `async_save` the
+    call returns once the state is copied to host memory; storage writes and the commit happen
+    in the background (`wait()` finishes them; the next save or load waits first).
+    `keep_last=n` deletes all but the newest n committed checkpoints beside `path`.
+    """
+    timeout = runtime.current().config.collective_timeout_seconds if runtime.is_initialized() else None
+    sharded.save(
+        path, model, optimizer, extra, async_save=async_save, keep_last=keep_last,
+        dims=_dims(), collective_timeout_seconds=timeout,
+    )
+
+
+def export_hf(
+    out_dir: str | os.PathLike,
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> str:
+    """Write `model` (sharded or not) as a Hugging Face safetensors folder. Collective.
+
+    `dtype` casts on the way out (e.g. torch.bfloat16 for a half-size release); `max_shard_bytes`
+    caps each safetensors file. Returns the folder's path.
+    """
+    return hf.export_hf(out_dir, model, dtype=dtype, max_shard_bytes=max_shard_bytes, dims=_dims())

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from smp.checkpointing import atomic, metadata
-from smp.checkpointing.metadata import CheckpointError
 from smp.checkpointing.sharded import _agree_on_tmp, _dist, _rank, on_rank0, wait
+from smp.errors import CheckpointError
+from smp.mesh import ParallelDims
 
 # transformers' own default shard size for save_pretrained; smaller means more, smaller files.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -61,18 +62,16 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dims: ParallelDims | None = None,
 ) -> str:
-    """Write `model` (sharded or not) as a Hugging Face safetensors folder. Collective.
-
-    `dtype` casts on the way out (e.g. torch.bfloat16 for a half-size release); `max_shard_bytes`
-    caps each safetensors file. Returns the folder's path.
-    """
+    """`smp.checkpointing.export_hf` (see there), with the degrees of smp's run that the
+    export records passed in as `dims` (None under plain torch.distributed)."""
     wait()
     out_dir = os.path.abspath(os.fspath(out_dir))
     state = get_model_state_dict(model)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    meta = metadata.build(metadata.tensor_shapes(state), False, "hf")
+    meta = metadata.build(metadata.tensor_shapes(state), False, "hf", dims)
     tmp = _agree_on_tmp(out_dir, "hf")
     try:
         writer = HuggingFaceStorageWriter(

@@ -15,16 +15,15 @@ import os
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
-from smp.config import ConfigError
+from smp._version import __version__
+from smp.errors import CheckpointError
+from smp.mesh import ParallelDims
 
 META_FILE = "smp_meta.json"
 FORMAT_VERSION = 1
 _MAX_LISTED = 20  # longer key lists are cut, with a count of the rest
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint smp cannot use with this model: the message says what differs and why."""
 
 
 def tensor_shapes(state_dict: Mapping[str, Any]) -> dict[str, list[int]]:
@@ -37,30 +36,26 @@ def fingerprint(shapes: Mapping[str, list[int]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def describe_run() -> dict[str, Any]:
-    """World size and parallel degrees of the current run (plain torch.distributed works too)."""
-    import torch.distributed as dist
-
-    from smp import runtime
-
+def describe_run(dims: ParallelDims | None) -> dict[str, Any]:
+    """World size, and the parallel degrees of smp's run (`dims`; None under plain
+    torch.distributed, where only the world size is known)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     run: dict[str, Any] = {"world_size": world}
-    if runtime.is_initialized():
-        dims = runtime.current().dims
+    if dims is not None:
         run.update(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
     return run
 
 
-def build(shapes: Mapping[str, list[int]], has_optimizer: bool, kind: str) -> dict[str, Any]:
-    import smp
-
+def build(
+    shapes: Mapping[str, list[int]], has_optimizer: bool, kind: str, dims: ParallelDims | None
+) -> dict[str, Any]:
     return {
         "format": "smp-checkpoint",
         "format_version": FORMAT_VERSION,
         "kind": kind,  # "sharded" (DCP) or "hf" (safetensors export)
-        "smp_version": smp.__version__,
+        "smp_version": __version__,
         "torch_version": torch.__version__,
-        **describe_run(),
+        **describe_run(dims),
         "has_optimizer": has_optimizer,
         "fingerprint": fingerprint(shapes),
         "params": dict(shapes),

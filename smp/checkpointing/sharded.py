@@ -30,8 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from smp._version import __version__
 from smp.checkpointing import atomic, metadata, rng
-from smp.checkpointing.metadata import CheckpointError
+from smp.errors import CheckpointError
+from smp.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -126,21 +128,16 @@ def _commit(path: str, meta: dict[str, Any], keep_last: int | None) -> None:
                 log.info("smp.checkpointing: removed old checkpoints %s", removed)
 
 
-def _get_async_group() -> dist.ProcessGroup | None:
+def _get_async_group(timeout_seconds: float | None) -> dist.ProcessGroup | None:
     """A gloo group of its own for the background save: its collectives run in another thread
-    and must never interleave with the training step's collectives on the default group."""
+    and must never interleave with the training step's collectives on the default group.
+    `timeout_seconds` applies when the group is made (None: torch's default)."""
     global _async_group, _async_group_world
     if not _dist():
         return None
     world = dist.distributed_c10d._get_default_group()
     if _async_group is None or _async_group_world is not world:  # new process group since
-        # The configured collective timeout, not torch's 30 min: a rank that dies mid-upload
-        # must not stall wait(), shutdown() and interpreter exit for half an hour.
-        from smp import runtime
-
-        timeout = None
-        if runtime.is_initialized():
-            timeout = datetime.timedelta(seconds=runtime.current().config.collective_timeout_seconds)
+        timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
         _async_group, _async_group_world = dist.new_group(backend="gloo", timeout=timeout), world
     return _async_group
 
@@ -153,14 +150,13 @@ def save(
     *,
     async_save: bool = False,
     keep_last: int | None = None,
+    dims: ParallelDims | None = None,
+    collective_timeout_seconds: float | None = None,
 ) -> None:
-    """Save a sharded checkpoint of `model` (and `optimizer`, and `extra`) to `path`. Collective.
-
-    `extra` is any picklable object (step, scheduler state, data-loader position), saved per
-    rank together with the rank's RNG states and handed back by `load`. With `async_save` the
-    call returns once the state is copied to host memory; storage writes and the commit happen
-    in the background (`wait()` finishes them; the next save or load waits first).
-    `keep_last=n` deletes all but the newest n committed checkpoints beside `path`.
+    """`smp.checkpointing.save` (see there), with smp's run passed in: `dims`, the degrees the
+    checkpoint records, and `collective_timeout_seconds`, the timeout of the async save's own
+    group, so that a rank dying mid-upload does not stall wait(), shutdown() and interpreter
+    exit for torch's 30 minutes. None for both under plain torch.distributed.
     """
     if keep_last is not None and keep_last < 1:
         raise CheckpointError(f"keep_last={keep_last}: keep at least 1 checkpoint, or pass None to keep all")
@@ -170,14 +166,15 @@ def save(
     # becomes 1). We undo that on the live optimizer and on load, so saving never changes the run.
     fresh_optimizer = optimizer is not None and not optimizer.state
     state = _state_dicts(model, optimizer)
-    meta = metadata.build(metadata.tensor_shapes(state["model"]), optimizer is not None, "sharded")
+    meta = metadata.build(metadata.tensor_shapes(state["model"]), optimizer is not None, "sharded", dims)
     meta["optimizer_fresh"] = fresh_optimizer
     meta["optimizer_class"] = type(optimizer).__name__ if optimizer is not None else None
     tmp = _agree_on_tmp(path)
     try:
         _write_extra(tmp, extra)
         if async_save:
-            _start_async(path, tmp, state, meta, keep_last)  # returns after the host copy
+            # Returns after the host copy.
+            _start_async(path, tmp, state, meta, keep_last, collective_timeout_seconds)
             if fresh_optimizer:
                 optimizer.state.clear()
             return
@@ -192,9 +189,12 @@ def save(
         raise
 
 
-def _start_async(path: str, tmp: str, state: dict, meta: dict, keep_last: int | None) -> None:
+def _start_async(
+    path: str, tmp: str, state: dict, meta: dict, keep_last: int | None, timeout_seconds: float | None
+) -> None:
     global _pending, _executor
-    upload = dcp.async_save(state, checkpoint_id=tmp, process_group=_get_async_group(), no_dist=not _dist())
+    group = _get_async_group(timeout_seconds)
+    upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group, no_dist=not _dist())
     rank = _rank()
 
     def finish() -> None:
@@ -228,7 +228,8 @@ def wait() -> None:
 
 
 def wait_at_shutdown() -> None:
-    """`smp.shutdown` calls this: commit a pending async save before the process group goes.
+    """`smp.shutdown` calls this (a shutdown hook, registered by smp.checkpointing): commit a
+    pending async save before the process group goes.
     A failure is logged, not raised (shutdown must finish); that checkpoint stays uncommitted,
     so latest() never returns it."""
     try:
@@ -255,11 +256,9 @@ def _check_directory(path: str) -> dict[str, Any]:
             f"pass a directory written by smp.checkpointing.save (export_hf folders load with load_hf)"
         )
     meta = metadata.read(path)
-    import smp
-
     for name, saved, running in (
         ("torch", meta.get("torch_version"), torch.__version__),
-        ("smp", meta.get("smp_version"), smp.__version__),
+        ("smp", meta.get("smp_version"), __version__),
     ):
         if saved != running and _rank() == 0:
             log.warning("smp.checkpointing.load: %r was saved with %s %s, this is %s %s",

@@ -1,6 +1,7 @@
 """Reliability: no hangs, no silent NaNs, clear errors when a rank fails.
 
-- `step_guard(step)`: a failure on one rank stops every rank fast, naming the rank and step.
+- `step_guard(step)`: a failure on one rank stops every rank fast, naming the rank and step
+  (guard.py; the census that names dead or hung ranks is census.py).
 - `check_finite_grads(model, step, action)`: NaN/inf gradients found after backward, the same
   decision (raise / skip / warn) on every rank; `trace_nonfinite_forward(model)` then finds
   the first module whose forward output went non-finite.
@@ -26,6 +27,6 @@ __all__ = [
     "current_step",
     "find_nonfinite_grads",
     "step_guard",
-    "trace_nonfinite_forward",
     "stop_watchdog",
+    "trace_nonfinite_forward",
 ]

@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
+from smp.errors import Error
+
 logger = logging.getLogger("smp.reliability")
 
 Action = Literal["raise", "skip", "warn"]
@@ -28,7 +30,7 @@ _ACTIONS = ("raise", "skip", "warn")
 MAX_NAMED = 5
 
 
-class NonFiniteGradientError(FloatingPointError):
+class NonFiniteGradientError(Error, FloatingPointError):
     """Gradients hold NaN or inf. `.step`, `.parameters` (names) and `.modules` say where."""
 
     def __init__(self, message: str, step: int | None, parameters: list[str], modules: list[str]):

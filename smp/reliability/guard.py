@@ -11,9 +11,8 @@ collective waits, so smp propagates failures through the rendezvous store instea
 - a daemon watchdog thread on every rank polls for that record and, when it appears, prints
   "rank K stopping at step S: <record>" and exits the process with `PEER_FAILURE_EXIT_CODE`;
 - when a collective fails or times out and no rank has reported, the rank that saw it takes a
-  census: every live rank's watchdog answers with its step and where its main thread is, so the
-  record names the ranks that are gone (killed, out of memory, segfault) or stuck outside a
-  collective (a hang), rather than the innocent rank that noticed.
+  census (smp/reliability/census.py), so that the record names the ranks that are gone or
+  stuck outside a collective rather than the innocent rank that noticed.
 
 The cost is one store read per rank every `POLL_SECONDS` (no per-step traffic).
 """
@@ -31,6 +30,10 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from smp.errors import CheckpointError, ConfigError, PeerFailure, PlanError
+from smp.reliability.census import answer_census, take_census
+from smp.reliability.finite import NonFiniteGradientError
+
 logger = logging.getLogger("smp.reliability")
 
 # Exit status of a rank stopped because another rank failed: tells it apart, in the launcher's
@@ -41,28 +44,23 @@ POLL_SECONDS = 0.5
 # How long the failing rank waits for every other rank to acknowledge its record before
 # re-raising (a rank that is dead never answers; the wait is bounded).
 ACK_TIMEOUT_SECONDS = 5.0
-# How long a census waits for answers: a few poll periods.
-CENSUS_SECONDS = 3.0
 
 # Store keys live under smp/reliability/<torchrun restart>/<process group generation>/: the
 # store can outlive a worker group (torchrun --standalone keeps it across --max-restarts), and
 # a failure record of the previous attempt must not stop the next one.
 FAILURE_KEY = "failure"
 _ACK_KEY = "acks"
-_CENSUS_KEY = "census"
 _RELEASE_KEY = "released"
-_NOT_IN_COLLECTIVE = "outside torch.distributed"
 
+# Errors every rank raises alike (a NaN check, a checkpoint, config or plan error): each rank
+# can catch its own; no rank is to blame or to be stopped.
+_AGREED_ERRORS = (PeerFailure, ConfigError, CheckpointError, PlanError, NonFiniteGradientError)
 
-class PeerFailure(RuntimeError):
-    """Raised on a rank whose step failed because another rank failed first."""
-
-
-def _agreed_errors() -> tuple[type[BaseException], ...]:
-    from smp.config import ConfigError  # CheckpointError is one
-    from smp.reliability.finite import NonFiniteGradientError
-
-    return (PeerFailure, ConfigError, NonFiniteGradientError)
+# gloo raises a plain RuntimeError, not a torch.distributed.DistError, when a peer's connection
+# closes ("[.../gloo/transport/tcp/pair.cc] Connection closed by peer") or a collective times out
+# ("[.../gloo/transport/tcp/unbound_buffer.cc] Timed out waiting 8000ms for recv operation"), so
+# those are recognised by their text. NCCL raises DistBackendError for its errors and timeouts.
+_PLAIN_RUNTIME_ERROR_TEXT = ("gloo", "NCCL", "Connection closed by peer", "Connection reset", "Timed out")
 
 
 class _Watch:
@@ -73,10 +71,9 @@ class _Watch:
         self.handling = False  # the main thread is reporting its own failure
         self.thread: threading.Thread | None = None
         self.store: dist.Store | None = None
-        self.pg_id: int | None = None
+        self.pg_id: int | None = None  # id() of the process group watched
         self.generation = 0  # process groups watched so far in this process
         self.stop = threading.Event()
-        self.main_ident = threading.main_thread().ident
 
 
 _WATCH = _Watch()
@@ -107,9 +104,7 @@ def step_guard(step: int) -> Iterator[None]:
         _ensure_watchdog()
     try:
         yield
-    except _agreed_errors():
-        # Agreed across ranks (a NaN check, a checkpoint or config error): every rank raises
-        # the same error itself and can catch it; no rank is to blame or be stopped.
+    except _AGREED_ERRORS:
         raise
     except BaseException as exc:
         _handle_failure(exc, step)
@@ -135,19 +130,17 @@ def _handle_failure(exc: BaseException, step: int) -> None:
     store = _WATCH.store
     alive_others = world - 1
     try:
-        existing = _read_record(store)
-        if existing is None and _is_collective_error(exc):
+        record = _read_record(store)
+        if record is None and _is_collective_error(exc):
             # A peer may be writing its own record right now: give it one poll period, then
             # find out who is gone or stuck, so the record does not blame this rank.
             time.sleep(POLL_SECONDS)
-            existing = _read_record(store)
-            if existing is None:
-                findings, alive_others = _census(store, rank, world, step)
-                own = (
-                    f"{findings}\n(seen by rank {rank} at step {step}: "
-                    f"a collective failed: {_describe(exc)})"
-                )
-        record = existing if existing is not None else _post_record(store, own)
+            record = _read_record(store)
+            if record is None:
+                findings, alive_others = take_census(store, rank, world, step)
+                own = f"{findings}\n(seen by rank {rank} at step {step}: a collective failed: {_describe(exc)})"
+        if record is None:
+            record = store.compare_set(FAILURE_KEY, "", own).decode()  # first writer wins
     except Exception as store_exc:  # noqa: BLE001 - the store host (rank 0 / launcher) is gone
         message = (
             f"{own}\n(the rendezvous store is unreachable too: {type(store_exc).__name__}; "
@@ -164,11 +157,6 @@ def _handle_failure(exc: BaseException, step: int) -> None:
     _log(own)
     _note(exc, f"smp: {own} (every rank is being stopped)")
     _wait_for_acks(store, alive_others)
-
-
-def _post_record(store: dist.Store, record: str) -> str:
-    """Write the failure record unless one exists; return the record that won."""
-    return store.compare_set(FAILURE_KEY, "", record).decode()
 
 
 def _read_record(store: dist.Store) -> str | None:
@@ -193,45 +181,19 @@ def _acknowledge(store: dist.Store, rank: int) -> None:
         if rank == 0:
             # Rank 0 usually hosts the store: stay until the failing rank has counted the
             # acknowledgements, or its own store calls fail (noisily) when this process exits.
-            _wait_for_key(store, _RELEASE_KEY, ACK_TIMEOUT_SECONDS)
+            deadline = time.monotonic() + ACK_TIMEOUT_SECONDS
+            while time.monotonic() < deadline and not store.check([_RELEASE_KEY]):
+                time.sleep(0.05)
     except Exception:  # noqa: BLE001
         pass
 
 
-def _wait_for_key(store: dist.Store, key: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not store.check([key]):
-        time.sleep(0.05)
-
-
-def _census(store: dist.Store, rank: int, world: int, step: int) -> tuple[str, int]:
-    """Ask every other rank's watchdog where it is; name the ranks that are gone or not in a collective."""
-    store.set(_CENSUS_KEY, str(rank))
-    others = [r for r in range(world) if r != rank]
-    deadline = time.monotonic() + CENSUS_SECONDS
-    answers: dict[int, str] = {}
-    while time.monotonic() < deadline and len(answers) < len(others):
-        for r in others:
-            key = f"{_CENSUS_KEY}/{r}"
-            if r not in answers and store.check([key]):
-                answers[r] = store.get(key).decode()
-        time.sleep(0.05)
-    gone = [r for r in others if r not in answers]
-    stuck = {r: a for r, a in answers.items() if _NOT_IN_COLLECTIVE in a}
-    lines = []
-    if gone:
-        lines.append(
-            f"rank(s) {gone} did not answer: they died without a Python error (killed, out of "
-            f"memory, segfault, os._exit) around step {step}; the launcher's log has their exit status"
-        )
-    for r, where in sorted(stuck.items()):
-        lines.append(f"rank {r} is not in a collective (hung?): {where}")
-    if not lines:
-        lines.append(
-            "every rank answered from inside torch.distributed: the ranks ran different "
-            "collectives (a rank-dependent branch in the training step?)"
-        )
-    return "\n".join(lines), len(answers)
+def _is_collective_error(exc: BaseException) -> bool:
+    """Whether `exc` says a collective failed or timed out (so a peer, not this rank, is at fault)."""
+    if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PLAIN_RUNTIME_ERROR_TEXT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +208,7 @@ def _ensure_watchdog() -> None:
     _WATCH.generation += 1
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"smp/reliability/{restart}/{_WATCH.generation}/"
-    _WATCH.store = dist.PrefixStore(prefix, _default_store())
+    _WATCH.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
     _WATCH.pg_id = id(pg)
     _WATCH.handling = False
     _WATCH.stop = threading.Event()
@@ -272,9 +234,7 @@ def _watch(store: dist.Store, rank: int, stop: threading.Event) -> None:
     answered_census = False
     while not stop.is_set():
         try:
-            if not answered_census and store.check([_CENSUS_KEY]):
-                store.set(f"{_CENSUS_KEY}/{rank}", _where_is_main())
-                answered_census = True
+            answered_census = answered_census or answer_census(store, rank, _WATCH.step)
             if not _WATCH.handling and store.check([FAILURE_KEY]):
                 record = store.get(FAILURE_KEY).decode()
                 _acknowledge(store, rank)
@@ -297,40 +257,8 @@ def _stop_process(message: str) -> None:
     os._exit(PEER_FAILURE_EXIT_CODE)
 
 
-def _where_is_main() -> str:
-    frame = sys._current_frames().get(_WATCH.main_ident)
-    step = f"step {_WATCH.step}"
-    if frame is None:
-        return f"{step}, main thread finished"
-    in_collective = False
-    innermost_user = None
-    f = frame
-    while f is not None:
-        filename = f.f_code.co_filename
-        if f"torch{os.sep}distributed" in filename:
-            in_collective = True
-        elif innermost_user is None and f"{os.sep}torch{os.sep}" not in filename:
-            innermost_user = f"{filename}:{f.f_lineno} in {f.f_code.co_name}"
-        f = f.f_back
-    state = "in torch.distributed" if in_collective else _NOT_IN_COLLECTIVE
-    return f"{step}, {state}, at {innermost_user}"
-
-
 # ----------------------------------------------------------------------------------------------
-# Helpers
-
-
-def _default_store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
-
-
-def _is_collective_error(exc: BaseException) -> bool:
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("gloo", "NCCL", "Connection closed by peer", "Connection reset", "Timed out")
-    )
+# Messages
 
 
 def _describe(exc: BaseException) -> str:
@@ -339,7 +267,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def _note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
+    if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(note)
 
 

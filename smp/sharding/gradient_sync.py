@@ -12,52 +12,47 @@ Each FSDP unit gets its own comm objects: error-feedback residuals are per modul
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from smp.config import SMPConfig
-from smp.mesh import ParallelDims, fsdp_mesh
+from smp.mesh import ParallelDims
 
 
-def replicas_by_hook(config: SMPConfig, dims: ParallelDims) -> bool:
+def replicas_by_hook(cross_replica: str, dims: ParallelDims) -> bool:
     """True when smp, not native HSDP, syncs gradients across replica groups."""
-    return config.gradient_sync.cross_replica != "default" and dims.dp_replicate > 1
+    return cross_replica != "default" and dims.dp_replicate > 1
 
 
-def gradient_sync_mesh(mesh: DeviceMesh, dims: ParallelDims, config: SMPConfig) -> DeviceMesh:
-    """The mesh FSDP shards over: 1-D "dp_shard" when the replica hop is smp's hook, else
-    `fsdp_mesh` (2-D for native HSDP). Both keep identical parameters on every replica."""
-    if replicas_by_hook(config, dims):
-        return mesh["dp_shard"]
-    return fsdp_mesh(mesh, dims)
-
-
-def install_gradient_sync(model: nn.Module, runtime_state, config: SMPConfig) -> None:
-    """Install custom collectives on every FSDP module of `model`, per `config.gradient_sync`."""
-    sync = config.gradient_sync
-    by_hook = replicas_by_hook(config, runtime_state.dims)
-    if sync.algorithm == "default" and not by_hook:
+def install_gradient_sync(
+    model: nn.Module,
+    algorithm: str,
+    *,
+    block_size: int,
+    error_feedback: bool,
+    cross_replica: str = "default",
+    replica_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Install custom collectives on every FSDP module of `model` (the config's `gradient_sync`
+    documents each value). `replica_group`: the group across replicas that smp's all-reduce hook
+    averages over, with `cross_replica` as its algorithm; None when FSDP (native HSDP) does it,
+    or there are no replicas (see `replicas_by_hook`)."""
+    if algorithm == "default" and replica_group is None:
         return  # nothing to replace: FSDP keeps the process group's collectives
     import smp_collectives as sc
 
-    replica_group = runtime_state.mesh["dp_replicate"].get_group() if by_hook else None
     for unit in model.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        if sync.algorithm == "ring":
+        if algorithm == "ring":
             unit.set_custom_reduce_scatter(sc.RingReduceScatter())
             unit.set_custom_all_gather(sc.RingAllGather())
-        elif sync.algorithm in ("int8", "fp8"):
+        elif algorithm in ("int8", "fp8"):
             # Parameters are all-gathered exactly (default all-gather); only gradients are lossy.
-            unit.set_custom_reduce_scatter(
-                sc.QuantizedReduceScatter(sync.algorithm, sync.block_size, sync.error_feedback)
-            )
-        if by_hook:
-            kind = None if sync.cross_replica == "ring" else sync.cross_replica
-            unit.set_all_reduce_hook(
-                sc.CrossReplicaAllReduce(replica_group, kind, sync.block_size, sync.error_feedback)
-            )
+            unit.set_custom_reduce_scatter(sc.QuantizedReduceScatter(algorithm, block_size, error_feedback))
+        if replica_group is not None:
+            kind = None if cross_replica == "ring" else cross_replica
+            unit.set_all_reduce_hook(sc.CrossReplicaAllReduce(replica_group, kind, block_size, error_feedback))
 
 
 def gradient_sync_bytes(reset: bool = False) -> dict[str, int]:

@@ -9,9 +9,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from smp.config import ConfigError, SMPConfig
-from smp.tensor_parallel.plans import StyleSpec, expand_plan, resolve_plan
+from smp.errors import ConfigError, PlanError
 from smp.tensor_parallel.styles import Options, make_style
+from smp.tensor_parallel.tp_plan import StyleSpec, expand_plan, resolve_plan
 
 # Per-module attributes some attention implementations read in forward (GPT-2: num_heads,
 # split_size; user models: heads). Under TP each rank holds 1/tp of them. HF Llama-style
@@ -20,18 +20,25 @@ PER_RANK_ATTRS = ("num_heads", "num_key_value_heads", "num_kv_heads", "heads", "
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, config: SMPConfig, plan: dict[str, StyleSpec] | None = None
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: dict[str, StyleSpec] | None = None,
+    *,
+    config_plan: dict[str, str] | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> nn.Module:
-    """Split `model`'s layers over `tp_mesh` by its plan (see plans.py for where plans come from).
+    """Split `model`'s layers over `tp_mesh` by its plan (see tp_plan.py for where plans come from).
 
-    Runs before FSDP: parameters become DTensors on the TP mesh, which fully_shard then shards
-    further over the data-parallel axes.
+    `plan` (smp.transform's `tp_plan`) overrides `config_plan` (the config's
+    `tensor_parallel.plan`), which overrides the model's own. Runs before FSDP: parameters
+    become DTensors on the TP mesh, which fully_shard then shards further over the
+    data-parallel axes.
     """
     tp = tp_mesh.size()
-    tp_cfg = config.tensor_parallel
-    resolved = resolve_plan(model, plan, tp_cfg.plan)
+    resolved = resolve_plan(model, plan, config_plan)
     check_head_counts(model, tp)
-    opts = Options(sequence_parallel=tp_cfg.sequence_parallel, loss_parallel=tp_cfg.loss_parallel)
+    opts = Options(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     expanded = expand_plan(model, resolved, opts)
     divide_region_attrs(expanded.regions, tp)
 
@@ -105,7 +112,7 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
         first = params[0]
         kinds = {(type(p).__name__, tuple(p.placements) if isinstance(p, DTensor) else None) for p in params}
         if len(kinds) > 1:
-            raise ConfigError(
+            raise PlanError(
                 "tensor-parallel plan splits tied parameters differently ("
                 + ", ".join(f"{type(m).__name__}.{n}" for m, n in group)
                 + "); give the tied modules matching styles (head 'colwise_gather_output' with "

@@ -11,36 +11,23 @@ both the loss and its backward must run inside it:
         loss.backward()
 
 Outside TP, or with loss_parallel off, the context does nothing, so one script serves all.
+`loss_parallel_if(enabled)` here takes that decision as a value; `smp.tensor_parallel.loss_parallel()`
+reads it from smp's run.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 
 
-def loss_parallel_enabled() -> bool:
-    from smp import runtime
-
-    if not runtime.is_initialized():
-        return False
-    st = runtime.current()
-    return st.dims.tp > 1 and st.config.tensor_parallel.loss_parallel
-
-
-@contextlib.contextmanager
-def loss_parallel() -> Iterator[None]:
-    """Wrap the loss computation *and* `backward()` when logits may be vocab-sharded."""
-    if loss_parallel_enabled():
-        with _torch_loss_parallel():
-            yield
-    else:
-        yield
+def loss_parallel_if(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """torch's `loss_parallel()` when `enabled` (the logits are vocab-sharded), else a context
+    that does nothing."""
+    return _torch_loss_parallel() if enabled else contextlib.nullcontext()
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -176,6 +176,14 @@ class RegionEntry(ParallelStyle):
     instead of once per projection. `input_layout` is how a plain tensor input is laid out:
     Shard(seq) under sequence parallel, else Replicate. Takes the first positional argument,
     else `hidden_states=` (how HF layers call attention).
+
+    Why not torch's `PrepareModuleInput`, which issues the same collectives (torchtitan's plan
+    uses it; bench/bench_tp.py counts both): it needs each region's call convention up front,
+    `input_layouts` with exactly as many entries as positional arguments (else ValueError), or
+    `input_kwarg_layouts` by keyword name. That is in the parent's code, not the module's: HF
+    Llama/Qwen2 call attention with `hidden_states=` only, GPT-2 attention and every MLP with one
+    positional argument, so one static PrepareModuleInput cannot cover the regions smp finds in
+    any model; this style picks the argument at call time.
     """
 
     def __init__(self, input_layout: Placement):

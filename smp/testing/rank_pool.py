@@ -2,8 +2,9 @@
 
 Spawning N processes and joining a process group costs 1-4 s on a small CPU machine; a test
 suite with dozens of multi-rank cases cannot pay that per case. A `RankPool` starts the ranks
-once; `pool.run(fn, *args)` runs `fn(*args)` on every rank (fn must be importable by module
-and name) and returns the per-rank results, or raises with every failing rank's traceback.
+once; `pool.run(fn, name=value, ...)` runs `fn(name=value, ...)` on every rank (fn must be
+importable by module and name; its arguments are passed by name so a call site reads on its own)
+and returns the per-rank results, or raises with every failing rank's traceback.
 
 A call that does not finish within its timeout kills the pool (so no rank is left hanging) and
 raises `RankTimeout`; the next `run` starts a fresh pool.
@@ -29,7 +30,8 @@ class RankFailure(RuntimeError):
     pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago: MASTER_PORT for locally started ranks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -62,7 +64,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, sys_path: list[str
         except BaseException:  # noqa: BLE001 - report everything to the parent
             conn.send(("error", traceback.format_exc()))
             _reset_smp()
-    dist.barrier()  # gloo may abort at exit without it (PLATFORM.md)
+    dist.barrier()  # gloo may abort at exit without it (docs/platform.md)
     dist.destroy_process_group()
 
 
@@ -85,7 +87,7 @@ class RankPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(

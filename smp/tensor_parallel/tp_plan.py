@@ -53,7 +53,7 @@ REGION_STYLES = {"colwise", "packed_colwise", "packed_qkv_colwise"}
 
 
 @dataclass
-class Plan:
+class TPPlan:
     source: str  # where it came from, for messages: "tp_plan argument", "model's own plan", ...
     entries: dict[str, StyleSpec]
     strict: bool  # user plans: a pattern that matches nothing is an error (a typo)
@@ -102,25 +102,25 @@ def _input_embedding_name(model: nn.Module) -> str | None:
     return _name_of(model, emb)
 
 
-def resolve_plan(model: nn.Module, user_plan: dict[str, StyleSpec] | None, config_plan: dict[str, str] | None) -> Plan:
+def resolve_plan(model: nn.Module, user_plan: dict[str, StyleSpec] | None, config_plan: dict[str, str] | None) -> TPPlan:
     """The plan to use for `model`, by the precedence in the module docstring."""
     if user_plan:
-        return Plan("tp_plan argument of smp.transform", dict(user_plan), strict=True)
+        return TPPlan("tp_plan argument of smp.transform", dict(user_plan), strict=True)
     if config_plan:
-        return Plan("tensor_parallel.plan in the config", dict(config_plan), strict=True)
+        return TPPlan("tensor_parallel.plan in the config", dict(config_plan), strict=True)
     own = getattr(model, "_tp_plan", None) or {}
     if not own:
         base_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
         own = {_base_prefix(model) + k: v for k, v in base_plan.items()}
     if own:
-        return Plan(f"{type(model).__name__}'s own transformers plan", dict(own), strict=False)
+        return TPPlan(f"{type(model).__name__}'s own transformers plan", dict(own), strict=False)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in SMP_TABLES:
         entries: dict[str, StyleSpec] = {_base_prefix(model) + k: v for k, v in SMP_TABLES[model_type].items()}
         head = _head_name(model)
         if head:
             entries[head] = HEAD_STYLE
-        return Plan(f"smp's table for model_type '{model_type}'", entries, strict=False)
+        return TPPlan(f"smp's table for model_type '{model_type}'", entries, strict=False)
     raise ConfigError(
         f"tensor_parallel_degree > 1 but {type(model).__name__} has no tensor-parallel plan: it ships "
         "none (no `_tp_plan` / `config.base_model_tp_plan`) and smp's table has none for its "
@@ -135,7 +135,7 @@ def _pattern(p: str) -> re.Pattern[str]:
     return re.compile("".join("[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", p)))
 
 
-def _match(plan: Plan, modules: dict[str, nn.Module]) -> dict[str, tuple[str, StyleSpec]]:
+def _match(plan: TPPlan, modules: dict[str, nn.Module]) -> dict[str, tuple[str, StyleSpec]]:
     """Module name -> (pattern, style). A later pattern does not override an earlier exact hit."""
     out: dict[str, tuple[str, StyleSpec]] = {}
     for pattern, style in plan.entries.items():
@@ -178,7 +178,7 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
-def expand_plan(model: nn.Module, plan: Plan, opts: Options) -> Expanded:
+def expand_plan(model: nn.Module, plan: TPPlan, opts: Options) -> Expanded:
     modules = dict(model.named_modules())
     matched = _match(plan, modules)
     head = _head_name(model)

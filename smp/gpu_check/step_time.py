@@ -1,0 +1,122 @@
+"""Step 3 (CUDA only): step time and MFU through smp.transform vs a plain PyTorch loop.
+
+The same Llama-shaped model and the same user step (bf16 autocast, AdamW) twice: once plain
+(fp32 parameters, no smp), once through smp.transform at world 1 (FSDP2 with bf16 parameters
+and fp32 reduction). Both stay resident and are timed in alternating rounds, so clock and
+thermal drift hit both alike; goal: smp / plain <= 1.02 without checkpointing. MFU comes from
+smp.metrics for each activation_checkpointing mode and for `compile: true` (goal > 45% on H100
+for the best).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+
+import torch
+
+import smp
+from smp import metrics
+from smp.gpu_check import workload as wl
+from smp.gpu_check.report import FAIL, Figure, StepResult, check, skipped
+
+NAME, TITLE = "step_time", "Step time and MFU vs plain PyTorch"
+RATIO_GOAL, MFU_GOAL = 1.02, 0.45
+WARMUP, ROUND = 3, 2  # warm-up steps per model (compile happens here); steps per alternating turn
+BASE_CONFIG = {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
+SETTINGS = {
+    "activation_checkpointing none": {"activation_checkpointing": "none"},
+    "activation_checkpointing selective": {"activation_checkpointing": "selective"},
+    "activation_checkpointing full": {"activation_checkpointing": "full"},
+    "compile (inductor), checkpointing none": {"activation_checkpointing": "none", "compile": True},
+}
+
+
+def _timed_steps(model, optimizer, ids, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        wl.train_step(model, optimizer, ids)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _alternate(smp_run, plain_run, steps: int) -> tuple[float, float]:
+    """Median step seconds of each, timed in alternating rounds of ROUND steps."""
+    smp_times, plain_times = [], []
+    for _ in range(max(1, steps // ROUND)):
+        smp_times += smp_run(ROUND)
+        plain_times += plain_run(ROUND)
+    return statistics.median(smp_times), statistics.median(plain_times)
+
+
+def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepResult:
+    work = wl.WORKLOADS[size]
+    plain = wl.build_model(work, device)
+    cfg = plain.config
+    params = sum(p.numel() for p in plain.parameters())
+    shortfall = wl.memory_shortfall(
+        wl.bytes_needed(params, work, 2, cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size), device)
+    if shortfall:
+        del plain
+        torch.cuda.empty_cache()
+        return skipped(NAME, TITLE, shortfall)
+    flops_per_token = metrics.model_flops(plain).per_token(work.seq)
+    peak = metrics.peak_flops(metrics.device_name(device))
+    result = StepResult(NAME, TITLE, notes=[
+        f"{work.shape}: {params / 1e9:.2f}B parameters, batch {work.batch} x seq {work.seq}, SDPA, "
+        "bf16 autocast; smp: bf16 params + fp32 reduce at world 1; plain: the same loop without smp",
+        f"peak {peak / 1e12:.0f} TFLOP/s (smp.metrics.PEAK_FLOPS)" if peak else
+        "device not in smp.metrics.PEAK_FLOPS: MFU left blank",
+        f"{steps} timed steps per setting after {WARMUP} warm-up steps",
+    ])
+    ids = wl.batch(work, cfg.vocab_size, device)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
+    _timed_steps(plain, plain_opt, ids, WARMUP)
+    best_mfu = None
+    for setting, extra in SETTINGS.items():
+        try:
+            with smp.session({**BASE_CONFIG, **extra}, backend="nccl"):
+                model = smp.transform(copy.deepcopy(plain))
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                _timed_steps(model, opt, ids, WARMUP)
+                smp_s, plain_s = _alternate(lambda n: _timed_steps(model, opt, ids, n),
+                                            lambda n: _timed_steps(plain, plain_opt, ids, n), steps)
+                del model, opt
+        except torch.cuda.OutOfMemoryError as e:
+            result.figures.append(Figure(f"{setting}: step time", None, "s", status="skipped",
+                                         reason=f"too little GPU memory ({e})".splitlines()[0]))
+            continue
+        except Exception as e:  # noqa: BLE001 - this setting failed; the others still run
+            result.figures.append(Figure(f"{setting}: step time", None, "s", status=FAIL, reason=f"{type(e).__name__}: {e}"))
+            continue
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        achieved = work.tokens / smp_s * flops_per_token
+        value = metrics.mfu(achieved, peak)
+        best_mfu = value if best_mfu is None or (value or 0) > best_mfu else best_mfu
+        result.figures.append(Figure(f"{setting}: step time (smp)", smp_s, "s",
+                                     reason=f"{work.tokens / smp_s:.0f} tokens/s, {achieved / 1e12:.0f} TFLOP/s"))
+        ratio = smp_s / plain_s
+        if extra["activation_checkpointing"] == "none" and "compile" not in extra:
+            result.figures.append(check(f"{setting}: smp / plain step time", ratio, ratio <= RATIO_GOAL,
+                                        f"<= {RATIO_GOAL}", reason=f"plain {plain_s:.4f} s"))
+        else:  # the plain loop neither checkpoints nor compiles: a comparison, not a goal
+            result.figures.append(Figure(f"{setting}: smp / plain (no checkpointing) step time", ratio,
+                                         reason=f"plain {plain_s:.4f} s"))
+        result.figures.append(Figure(f"{setting}: MFU", value, "fraction",
+                                     reason="" if value is not None else "peak FLOP/s unknown"))
+    name = metrics.device_name(device)
+    if "H100" in name.upper() and best_mfu is not None:
+        result.figures.append(check("best MFU (H100)", best_mfu, best_mfu > MFU_GOAL, f"> {MFU_GOAL}"))
+    else:
+        result.figures.append(Figure("best MFU", best_mfu, "fraction", reason=f"goal > {MFU_GOAL} applies to H100; device {name}"))
+    del plain, plain_opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result.finish()

@@ -1,0 +1,100 @@
+"""Step 2 (CUDA only): smp_collectives' fused Triton kernels, compiled for the device.
+
+Bitwise equality with the torch path (int8 and fp8, with error feedback), then bandwidth:
+quantise + error feedback and dequantise + accumulate, in GB/s of the bytes each must move,
+against a device-to-device copy measured in the same run (goal: >= 70% of it) and against the
+unfused torch chain. On CPU the test suite runs the same kernels under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smp.gpu_check.report import Figure, StepResult, check, skipped
+from smp.gpu_check.timing import cuda_seconds
+
+NAME, TITLE = "triton_kernels", "Triton kernels (smp_collectives)"
+BLOCK = 256
+ROWS = 8  # destinations of a reduce-scatter (world 8)
+COLS = 2**23  # per row: 8 x 8 Mi fp32 = 256 MiB per bucket, far past any cache
+BANDWIDTH_GOAL = 0.70
+
+
+def _compile_error(device: torch.device) -> str | None:
+    """Why the kernels cannot be compiled and launched here, or None when they can."""
+    try:
+        from smp_collectives import quantization
+
+        x = torch.randn(2, 1024, device=device)
+        quantization.quantize(x, BLOCK, "int8", impl="triton")
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any failure here means no usable Triton
+        return f"Triton cannot compile or launch its kernels here ({type(e).__name__}: {e})"
+    return None
+
+
+def bitwise(device: torch.device, kind: str) -> list[Figure]:
+    from smp_collectives import quantization
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(ROWS, 100_000, device=device, generator=g) * 3  # short last block in each row
+    res_t = torch.randn(x.shape, device=device, generator=g) * 1e-2
+    res_k = res_t.clone()
+    q_t, s_t = quantization.quantize(x, BLOCK, kind, residual=res_t, impl="torch")
+    q_k, s_k = quantization.quantize(x, BLOCK, kind, residual=res_k, impl="triton")
+    quantise_equal = torch.equal(q_t, q_k) and torch.equal(s_t, s_k) and torch.equal(res_t, res_k)
+    acc_t = quantization.dequantize_accumulate(q_t, s_t, BLOCK, kind, divisor=ROWS, impl="torch")
+    acc_k = quantization.dequantize_accumulate(q_t, s_t, BLOCK, kind, divisor=ROWS, impl="triton")
+    return [
+        check(f"{kind} quantise + error feedback: bitwise equal to torch", quantise_equal, quantise_equal, "True"),
+        check(f"{kind} dequantise + accumulate: bitwise equal to torch", torch.equal(acc_t, acc_k),
+              torch.equal(acc_t, acc_k), "True"),
+    ]
+
+
+def bandwidth(device: torch.device, repeats: int) -> list[Figure]:
+    from smp_collectives import quantization
+
+    x = torch.randn(ROWS, COLS, device=device)
+    residual = torch.zeros_like(x)
+    n, blocks = x.numel(), x.numel() // BLOCK
+    copy_dst = torch.empty_like(x)
+    copy_s = cuda_seconds(lambda: copy_dst.copy_(x), repeats)
+    copy_gbs = 2 * n * 4 / copy_s / 1e9  # read + write
+    # Bytes each kernel must move: read x and the residual, write the residual, codes, scales.
+    quant_bytes = n * 4 * 3 + n + blocks * 4
+    q, s = quantization.quantize(x, BLOCK, "int8", impl="triton")
+    # Reads all rows' codes and scales, writes one fp32 row.
+    deq_bytes = n + blocks * 4 + COLS * 4
+    out = torch.empty(COLS, device=device)
+    timings = {}
+    for impl in ("triton", "torch"):
+        timings[("quantise", impl)] = cuda_seconds(
+            lambda: quantization.quantize(x, BLOCK, "int8", residual=residual, impl=impl), repeats)
+        timings[("dequantise", impl)] = cuda_seconds(
+            lambda: quantization.dequantize_accumulate(q, s, BLOCK, "int8", ROWS, impl=impl, out=out), repeats)
+    figures = [Figure("device copy bandwidth", copy_gbs, "GB/s", reason=f"{2 * n * 4 / 2**20:.0f} MiB moved per copy")]
+    for what, nbytes in (("quantise + error feedback", quant_bytes), ("dequantise + accumulate", deq_bytes)):
+        key = what.split()[0]
+        gbs = nbytes / timings[(key, "triton")] / 1e9
+        figures.append(Figure(f"{what}: Triton bandwidth", gbs, "GB/s"))
+        figures.append(check(f"{what}: fraction of copy bandwidth", gbs / copy_gbs, gbs / copy_gbs >= BANDWIDTH_GOAL,
+                             f">= {BANDWIDTH_GOAL:.2f}"))
+        figures.append(Figure(f"{what}: speedup vs unfused torch chain",
+                              timings[(key, "torch")] / timings[(key, "triton")], "x"))
+    return figures
+
+
+def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepResult:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return skipped(NAME, TITLE, "Triton is not installed")
+    error = _compile_error(device)
+    if error:
+        return skipped(NAME, TITLE, error)
+    result = StepResult(NAME, TITLE, notes=[f"block {BLOCK}, {ROWS} rows x {COLS} columns fp32 for bandwidth"])
+    for kind in ("int8", "fp8"):
+        result.figures += bitwise(device, kind)
+    result.figures += bandwidth(device, repeats=max(steps, 5))
+    return result.finish()

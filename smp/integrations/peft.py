@@ -1,0 +1,58 @@
+"""PEFT (LoRA) models under smp: detection, and saving the adapter as `save_pretrained` does.
+
+A LoRA model goes through smp.transform like any other: the frozen base weights and the
+trainable adapters are sharded together (FSDP2 keeps frozen and trainable parameters in one
+unit and reduces only the gradients that exist). The optimizer is built from the parameters
+with requires_grad, so it holds the adapters only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+# Module wrappers that insert a name component: activation checkpointing, torch.compile.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def is_peft_model(model: nn.Module | None) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _clean(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) trainable parameters, keyed as the PeftModel's state_dict names them,
+    on rank 0 (None elsewhere). Collective: every rank gathers the same parameters in order; only
+    the adapters travel, never the frozen base model."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    state = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if rank0:
+            state[_clean(name)] = full.detach().cpu().clone()
+    return state if rank0 else None
+
+
+def save_adapter(model: nn.Module, out_dir: str | os.PathLike) -> None:
+    """Write `model`'s adapter to `out_dir` (adapter_config.json + adapter_model.safetensors) as
+    PeftModel.save_pretrained does; PeftModel.from_pretrained(base, out_dir) loads it. Collective."""
+    state = adapter_state_dict(model)
+    if state is not None:
+        model.save_pretrained(os.fspath(out_dir), state_dict=state)
+    if dist.is_initialized():
+        dist.barrier()  # the folder is complete for every rank once any returns

@@ -1,0 +1,254 @@
+"""smp as the parallelism backend of transformers' `Trainer` and of Trainer subclasses (TRL).
+
+    from smp.integrations import SMPTrainer
+    trainer = SMPTrainer(model=model, args=training_args, train_dataset=ds, smp_config="smp.yaml")
+
+    SFTTrainer = smp_trainer_class(trl.SFTTrainer)      # any Trainer subclass, same argument
+
+The seam (docs/trainer.md says why): the Trainer delegates parallelism to its accelerate
+`Accelerator`; here smp takes over exactly those delegations and nothing else:
+  model      smp.transform before accelerate sees it, marked as prepared (no DDP wrap)
+  data       accelerate's prepare_data_loader, sharded by smp's dp rank / dp size (data.py)
+  no_sync    smp.no_sync for the micro-steps of gradient accumulation
+  clipping   smp.clip_grad_norm_ (global norm over shards and TP ranks)
+  checkpoints smp.checkpointing.save / load (model, optimizer, scheduler, RNG, trainer state)
+  save_model smp.checkpointing.export_hf (a from_pretrained folder) or the PEFT adapter
+The training loop, loss scaling, logging, callbacks and schedules stay the Trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+import smp
+from smp.config import ConfigSource, SMPConfig, load_config
+from smp.integrations.checks import check_training_arguments
+from smp.integrations.data import prepare_data_loader_by_dp
+from smp.integrations.peft import is_peft_model, save_adapter
+from smp.integrations.saving import export_hf_folder
+
+
+def _resolve_config(source: ConfigSource) -> SMPConfig:
+    """The config this trainer runs with: the given one, else the one smp.init already ran with,
+    else $SMP_CONFIG or the defaults (as smp.init(None) reads them)."""
+    if source is None and smp.is_initialized():
+        return smp.state.config
+    return load_config(source)
+
+
+def _capture_rng() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _unwrap_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside accelerate's AcceleratedOptimizer: DCP reads and fills its state."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+class SMPTrainerMixin:
+    """Put before a transformers Trainer class in the bases (`smp_trainer_class` does it); adds the
+    keyword argument `smp_config` (a path, a dict, an SMPConfig, or None for $SMP_CONFIG /
+    the config smp.init already ran with)."""
+
+    def __init__(self, *args: Any, smp_config: ConfigSource = None, **kwargs: Any):
+        self._smp_config = _resolve_config(smp_config)
+        # Refused before any collective: the Trainer's own setup may run some (dataset
+        # preparation under main_process_first, accelerate's state).
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        model = kwargs.get("model", args[0] if args else None)
+        check_training_arguments(
+            training_args, self._smp_config,
+            is_peft=is_peft_model(model) or kwargs.get("peft_config") is not None,
+            has_model_init=kwargs.get("model_init") is not None,
+        )
+        self._smp_resume_extra: dict[str, Any] | None = None
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # Setup: Trainer.__init__ calls this once the model is final (after a TRL trainer wrapped it
+    # in PEFT) and before anything places, wraps or inspects it for training.
+
+    def create_accelerator_and_postprocess(self) -> None:
+        check_training_arguments(self.args, self._smp_config, is_peft=is_peft_model(self.model), has_model_init=False)
+        smp.init(self._smp_config)  # a no-op when smp.init already ran with this config
+        if self.model is not None:
+            self.model = self._smp_transform(self.model)
+        super().create_accelerator_and_postprocess()
+        accelerator = self.accelerator
+        # Instance attributes: Accelerator.prepare() and the Trainer's accumulation loop call
+        # these two by name; everything else of the accelerator stays as it is.
+        accelerator.prepare_data_loader = functools.partial(
+            prepare_data_loader_by_dp, accelerator, dp_rank=smp.state.dp_rank, dp_size=smp.state.dp_size
+        )
+        accelerator.no_sync = smp.no_sync
+
+    @staticmethod
+    def _smp_transform(model: nn.Module) -> nn.Module:
+        if not isinstance(model, FSDPModule):  # a model the user already transformed is not wrapped again
+            model = smp.transform(model)  # in place: the Trainer's own reference is this module too
+        # accelerate's guard against wrapping twice: prepare() hands the model back as it is
+        # (no DDP around the DTensor parameters, no autocast; smp's policy casts).
+        model._is_accelerate_prepared = True
+        return model
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        # smp.transform placed every shard; .to() on FSDP2 (or CPU-offloaded) parameters fails.
+        pass
+
+    def get_tp_size(self) -> int:
+        # The Trainer divides by it: global batch = world / tp ranks, and the loss scale of
+        # average_tokens_across_devices (TP ranks of a group share one batch).
+        return smp.state.tp_size
+
+    def train(self, *args: Any, **kwargs: Any):
+        st = smp.state
+        if st.rank == 0:
+            per_device, accumulation = self._train_batch_size, self.args.gradient_accumulation_steps
+            print(
+                f"smp: {st.dims.describe()}; global batch = {per_device} per device x {accumulation} accumulation "
+                f"x {st.dp_size} data-parallel = {per_device * accumulation * st.dp_size} sequences per step",
+                flush=True,
+            )
+        return super().train(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # Gradients
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return smp.clip_grad_norm_(model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        if grad_norm is None:  # max_grad_norm <= 0: the norm for the log, scaling by exactly 1
+            grad_norm = smp.clip_grad_norm_(model, float("inf"))
+        return grad_norm
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints: one smp checkpoint per save step; resume at any world size
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._record_callback_states()
+        extra = {
+            "trainer_state": dataclasses.asdict(self.state),
+            "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            # Where the data stands: the Trainer re-derives the loader position from the step and
+            # epoch (seeded sampler + skip_first_batches), so a resumed run reads the same rows.
+            "data_position": {"global_step": self.state.global_step, "epoch": self.state.epoch,
+                              "samples_seen": self.state.global_step * self.get_total_train_batch_size(self.args)},
+            "rng": _capture_rng(),  # per rank: smp saves `extra` rank by rank
+            "world_size": smp.state.world_size,
+        }
+        limit = self.args.save_total_limit
+        optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
+        smp.checkpointing.save(path, self.model, optimizer, extra=extra,
+                               keep_last=limit if limit and limit > 0 else None)
+        if self.args.should_save:
+            # The Trainer reads these when resuming (train(resume_from_checkpoint=...)); the
+            # authoritative copy of the state is the one inside the committed checkpoint.
+            self.state.save_to_json(os.path.join(path, TRAINER_STATE_NAME))
+            torch.save(self.args, os.path.join(path, TRAINING_ARGS_NAME))
+
+    def _record_callback_states(self) -> None:
+        """As Trainer._save_checkpoint does: stateful callbacks' states into self.state."""
+        from transformers.trainer_callback import ExportableState
+
+        for cb in [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks[name], list):
+                self.state.stateful_callbacks[name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # train() calls this before the optimizer exists; smp loads model and optimizer together
+        # in _load_optimizer_and_scheduler. Here only what must hold before anything is built.
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
+            raise smp.CheckpointError(
+                f"{resume_from_checkpoint!r} has no {TRAINER_STATE_NAME}: it is not a checkpoint an smp Trainer wrote "
+                f"completely (rank 0 writes it right after the commit); resume from an earlier checkpoint"
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        optimizer = None if self.args.save_only_model else _unwrap_optimizer(self.optimizer)
+        extra = smp.checkpointing.load(checkpoint, self.model, optimizer)
+        saved_step = extra["trainer_state"]["global_step"]
+        if saved_step != self.state.global_step:
+            raise smp.CheckpointError(
+                f"{checkpoint!r}: the sharded checkpoint holds step {saved_step} but its {TRAINER_STATE_NAME} says "
+                f"{self.state.global_step}; the folder was modified after saving"
+            )
+        if extra["scheduler"] is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(extra["scheduler"])
+        self._smp_resume_extra = extra
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        pass  # no GradScaler: mixed precision is smp's FSDP policy
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # The Trainer calls this at the point of the resumed epoch where the generators must be
+        # back (after fast-forwarding the loader). A rank's own generators exist only when the
+        # world size is the one saved with.
+        extra = self._smp_resume_extra
+        if checkpoint is None or extra is None or extra["world_size"] != smp.state.world_size:
+            return
+        _restore_rng(extra["rng"])
+
+    # ------------------------------------------------------------------------------------------
+    # The final model
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A folder `from_pretrained` loads: the whole model (safetensors, via smp.checkpointing.export_hf),
+        or for a PEFT model its adapter (as PeftModel.save_pretrained writes it). Collective."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if is_peft_model(self.model):
+            save_adapter(self.model, output_dir)
+        else:
+            export_hf_folder(self.model, output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+class SMPTrainer(SMPTrainerMixin, Trainer):
+    """transformers.Trainer with smp doing the parallelism: `SMPTrainer(..., smp_config=path_or_dict)`."""
+
+
+@functools.cache
+def smp_trainer_class(trainer_cls: type) -> type:
+    """`trainer_cls` (transformers.Trainer or a subclass, e.g. trl.SFTTrainer) with smp doing the
+    parallelism: the returned class takes the extra keyword `smp_config`."""
+    if issubclass(trainer_cls, SMPTrainerMixin):
+        return trainer_cls
+    if not issubclass(trainer_cls, Trainer):
+        raise TypeError(f"smp_trainer_class expects a transformers.Trainer subclass, got {trainer_cls!r}")
+    return type(f"SMP{trainer_cls.__name__}", (SMPTrainerMixin, trainer_cls), {"__module__": trainer_cls.__module__})

@@ -1,0 +1,83 @@
+"""Per-rank bytes of a model as `smp.transform` placed it, read from FSDP2's own shards
+(padding included), and the optimizer-state and gathered-parameter bytes that follow from them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp.config import canonical_dtype
+
+GiB = 1024**3
+
+# Optimizer state per parameter element, in units of the parameter's own size.
+OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:10.3f} {unit}"
+    return f"{n:10.0f} B  "
+
+
+def dtype_bytes(name: str | None, default: torch.dtype) -> int:
+    """Bytes per element of the config dtype `name` (e.g. mixed_precision.param_dtype), or of
+    `default` when the config leaves it unset."""
+    if name is None:
+        return torch.empty((), dtype=default).element_size() if default != torch.bool else 1
+    return torch.empty((), dtype=getattr(torch, canonical_dtype(name)), device="meta").element_size()
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[nn.Module, list[Any]]]:
+    """(module, its FSDPParams) for every FSDP unit of a transformed model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                units.append((module, list(group.fsdp_params)))
+    return units
+
+
+def sharded_bytes(model: nn.Module) -> dict[str, int]:
+    """Per-rank bytes of a transformed model's sharded parameters: "padded" (what FSDP allocates
+    for parameters and gradients) and "local" (the unpadded shards, which optimizer state copies)."""
+    padded = local = count = 0
+    for _, params in fsdp_units(model):
+        for fp in params:
+            elem = fp._sharded_param_data.element_size()
+            padded += fp._sharded_param_data.numel() * elem
+            local += math.prod(fp.sharded_size) * elem
+            count += 1
+    return {"padded": padded, "local": local, "count": count}
+
+
+def optimizer_state_bytes(optimizer: str, sharded: dict[str, int]) -> int:
+    """Per-rank optimizer state for `sharded` (a `sharded_bytes` result)."""
+    state = OPTIMIZER_STATE_FACTOR[optimizer] * sharded["local"]
+    if optimizer.startswith("adam"):
+        state += 4 * sharded["count"]  # each parameter's step counter: a float32 scalar
+    return state
+
+
+def transient_bytes(model: nn.Module, param_bytes: int, grad_bytes: int) -> int:
+    """Gathered parameters and unsharded gradients alive at once during a step, per rank.
+
+    The root stays gathered for the whole step (reshard_after_forward=False, sharding/fsdp.py);
+    two blocks are gathered at once (the one computing and the one prefetched); one unit's
+    unsharded gradient waits for its reduce-scatter.
+    """
+    root = block = 0  # unsharded (padded) elements of the root unit and of the largest block
+    for module, params in fsdp_units(model):
+        elems = sum(fp._sharded_param_data.numel() for fp in params) * params[0].mesh_info.shard_mesh_size
+        if module is model:
+            root = elems
+        else:
+            block = max(block, elems)
+    return (root + 2 * block) * param_bytes + max(root, block) * grad_bytes

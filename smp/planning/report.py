@@ -1,0 +1,140 @@
+"""`plan()`: the per-rank memory and communication of a config for a model at N ranks, as a
+`ParallelismPlan` report (text for people, a dict for JSON)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from smp.config import ConfigError, ConfigSource, load_config
+from smp.mesh import ParallelDims
+from smp.models import build_causal_lm, resolve_model_config
+from smp.planning.activations import activation_bytes, saved_activation_bytes
+from smp.planning.communication import comm_bytes_per_step
+from smp.planning.fake_world import fake_world
+from smp.planning.memory import (
+    OPTIMIZER_STATE_FACTOR,
+    dtype_bytes,
+    human_bytes,
+    optimizer_state_bytes,
+    sharded_bytes,
+    transient_bytes,
+)
+
+
+@dataclass
+class ParallelismPlan:
+    world_size: int
+    rank: int
+    mesh: str
+    micro_batch: int
+    seq_len: int
+    optimizer: str
+    # Per-rank bytes on the training device (host when cpu_offload / activation offloading).
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    transient_bytes: int  # gathered parameters of the largest units + their unsharded gradients
+    host_bytes: int  # what offloading keeps in host memory instead
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # per rank per optimizer step
+    flops_per_token: float = 0.0
+    total_params: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.transient_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "device_bytes": self.device_bytes}
+
+    def format(self) -> str:
+        g = human_bytes
+        lines = [
+            f"plan for rank {self.rank} of {self.world_size}: {self.mesh}",
+            f"model: {self.total_params / 1e6:,.1f} M parameters, {self.flops_per_token / 1e9:,.3f} GFLOP/token "
+            f"at seq {self.seq_len}; micro-batch {self.micro_batch} per rank; optimizer {self.optimizer}",
+            "per-rank device memory:",
+            f"  parameters         {g(self.param_bytes)}",
+            f"  gradients          {g(self.grad_bytes)}",
+            f"  optimizer state    {g(self.optimizer_bytes)}",
+            f"  activations        {g(self.activation_bytes)}",
+            f"  transient buffers  {g(self.transient_bytes)}",
+            f"  total              {g(self.device_bytes)}",
+        ]
+        if self.host_bytes:
+            lines.append(f"  host (offloaded)   {g(self.host_bytes)}")
+        lines.append("communication per rank per step:")
+        for key, value in self.comm_bytes.items():
+            lines.append(f"  {key:<18} {g(value)}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int = 0, seq_len: int = 2048,
+         micro_batch: int = 1, optimizer: str = "adamw", grad_accum: int = 1) -> ParallelismPlan:
+    """The per-rank plan of `config` for `model` (a named shape, a local folder, or a
+    transformers config) at `world_size` ranks, seen from `rank`.
+
+    Runs smp's real recipe (`apply_parallelism`, what `smp.transform` calls) on a meta model as
+    `rank` of a fake world of `world_size`, over a mesh built here: smp.init is never called, so
+    the caller's process (its generators, any smp state) is left as it was.
+    """
+    from smp.metrics import model_flops
+    from smp.sharding import find_blocks
+    from smp.transform import apply_parallelism
+
+    start = time.perf_counter()
+    cfg = load_config(config)
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise ConfigError(f"optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_STATE_FACTOR)}")
+    if micro_batch < 1 or seq_len < 1:
+        raise ConfigError("--batch and --seq-len must be at least 1")
+    dims = ParallelDims.from_config(cfg, world_size)  # degree errors before anything is built
+    # A copy: transform may edit the model's config (activation checkpointing turns off use_cache).
+    model_cfg = resolve_model_config(model) if isinstance(model, str) else copy.deepcopy(model)
+    p_bytes = dtype_bytes(cfg.mixed_precision.param_dtype, torch.float32)
+    g_bytes = dtype_bytes(cfg.mixed_precision.reduce_dtype, torch.float32)
+
+    with fake_world(world_size, rank):
+        mesh, _ = dims.build_mesh("cpu")  # the mesh smp.init builds on gloo; meta tensors never use it
+        with torch.device("meta"):
+            meta_model = build_causal_lm(model_cfg)
+        # Activations first: one forward of the still unsharded model at this rank's micro-batch.
+        blocks = find_blocks(meta_model, cfg.shard_modules)
+        compute = p_bytes if cfg.mixed_precision.param_dtype else None
+        outside, per_block = saved_activation_bytes(meta_model, micro_batch, seq_len, blocks, compute)
+        hidden = getattr(model_cfg, "hidden_size", 0)
+        block_input = micro_batch * seq_len * hidden * (compute or 4)
+        flops = model_flops(meta_model)
+        total_params = sum(p.numel() for p in meta_model.parameters())
+        # Then the real recipe, left on meta.
+        apply_parallelism(meta_model, cfg, dims, mesh, torch.device("cpu"), materialize=False)
+        sizes = sharded_bytes(meta_model)
+        comm = comm_bytes_per_step(
+            meta_model, cfg, dims, micro_batch=micro_batch, seq_len=seq_len, hidden=hidden,
+            layers=len(per_block), grad_accum=grad_accum,
+        )
+        transient = transient_bytes(meta_model, p_bytes, g_bytes)
+
+    act_device, act_host, notes = activation_bytes(cfg, outside, per_block, block_input, dims.tp)
+    params, grads = sizes["padded"], sizes["padded"]
+    opt = optimizer_state_bytes(optimizer, sizes)
+    host = act_host
+    if cfg.cpu_offload:
+        host += params + grads + opt
+        params = grads = opt = 0
+        notes.append("cpu_offload: parameters, gradients and optimizer state are in host memory")
+    return ParallelismPlan(
+        world_size=world_size, rank=rank, mesh=dims.describe(), micro_batch=micro_batch, seq_len=seq_len,
+        optimizer=optimizer, param_bytes=params, grad_bytes=grads, optimizer_bytes=opt,
+        activation_bytes=act_device, transient_bytes=transient, host_bytes=host, comm_bytes=comm,
+        flops_per_token=flops.per_token(seq_len), total_params=total_params,
+        seconds=time.perf_counter() - start, notes=notes,
+    )

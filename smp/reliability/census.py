@@ -1,0 +1,82 @@
+"""Census of the ranks after a collective failed: which are gone, which hang outside a collective.
+
+A collective that fails or times out says only that some peer did not take part. The rank that
+saw it asks every other rank, through the rendezvous store, where its main thread is; each
+live rank's watchdog (smp/reliability/guard.py) answers with its step and the innermost frame
+of user code. A rank that never answers died without a Python error (killed, out of memory,
+segfault); a rank that answers from outside torch.distributed is stuck elsewhere (a hang).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+# How long a census waits for answers: a few watchdog poll periods.
+CENSUS_SECONDS = 3.0
+# Store key of the request (its value: the asking rank); answers go to "census/<rank>".
+CENSUS_KEY = "census"
+NOT_IN_COLLECTIVE = "outside torch.distributed"
+
+
+def take_census(store: dist.Store, rank: int, world: int, step: int) -> tuple[str, int]:
+    """Ask every other rank where it is; return the findings (one line per rank that is gone or
+    not in a collective) and how many ranks answered."""
+    store.set(CENSUS_KEY, str(rank))
+    others = [r for r in range(world) if r != rank]
+    deadline = time.monotonic() + CENSUS_SECONDS
+    answers: dict[int, str] = {}
+    while time.monotonic() < deadline and len(answers) < len(others):
+        for r in others:
+            key = f"{CENSUS_KEY}/{r}"
+            if r not in answers and store.check([key]):
+                answers[r] = store.get(key).decode()
+        time.sleep(0.05)
+    gone = [r for r in others if r not in answers]
+    stuck = {r: a for r, a in answers.items() if NOT_IN_COLLECTIVE in a}
+    lines = []
+    if gone:
+        lines.append(
+            f"rank(s) {gone} did not answer: they died without a Python error (killed, out of "
+            f"memory, segfault, os._exit) around step {step}; the launcher's log has their exit status"
+        )
+    for r, where in sorted(stuck.items()):
+        lines.append(f"rank {r} is not in a collective (hung?): {where}")
+    if not lines:
+        lines.append(
+            "every rank answered from inside torch.distributed: the ranks ran different "
+            "collectives (a rank-dependent branch in the training step?)"
+        )
+    return "\n".join(lines), len(answers)
+
+
+def answer_census(store: dist.Store, rank: int, step: int | None) -> bool:
+    """If a census was asked for, answer it with where this process's main thread is; return
+    whether it was (a watchdog answers once)."""
+    if not store.check([CENSUS_KEY]):
+        return False
+    store.set(f"{CENSUS_KEY}/{rank}", where_is_main(step))
+    return True
+
+
+def where_is_main(step: int | None) -> str:
+    """"step S, in torch.distributed | outside torch.distributed, at file:line in function": the
+    main thread's state and its innermost frame outside torch."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return f"step {step}, main thread finished"
+    in_collective = False
+    innermost_user = None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if f"torch{os.sep}distributed" in filename:
+            in_collective = True
+        elif innermost_user is None and f"{os.sep}torch{os.sep}" not in filename:
+            innermost_user = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    state = "in torch.distributed" if in_collective else NOT_IN_COLLECTIVE
+    return f"step {step}, {state}, at {innermost_user}"

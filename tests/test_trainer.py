@@ -1,0 +1,147 @@
+"""transformers Trainer (and PEFT LoRA) with smp as its parallelism backend (smp.integrations).
+
+Each multi-rank run is compared with a plain single-process Trainer on the same global batch,
+same seed and same sampler order (tests/trainer_cases.py). fp32 on CPU: sharded reductions
+reorder float sums, so losses agree to ~1e-6; we assert 1e-5. Feeding the ranks of a TP group
+different rows moves the loss by far more (test_world_rank_sharding_is_caught).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+
+import smp  # noqa: E402
+
+from smp.config import ConfigError  # noqa: E402
+from tests import trainer_cases  # noqa: E402
+
+LOSS_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Single-process runs, computed once per (grad_accum, lora)."""
+    cache = {}
+
+    def get(grad_accum: int = 1, lora: bool = False) -> dict:
+        key = (grad_accum, lora)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("reference")
+            cache[key] = trainer_cases.reference(str(out), grad_accum=grad_accum, lora=lora)
+        return cache[key]
+
+    return get
+
+
+def assert_same_losses(results: list[dict], expected: list[float]) -> None:
+    for r in results:
+        assert len(r["losses"]) == len(expected), (r["losses"], expected)
+        diff = max(abs(a - b) for a, b in zip(r["losses"], expected))
+        assert diff < LOSS_TOL, (r["losses"], expected)
+    assert expected[-1] != expected[0]  # it trains
+
+
+CASES = [
+    # world, smp config, gradient accumulation, name
+    (2, {}, 1, "fsdp-2"),
+    (2, {}, 2, "fsdp-2-accum-2"),
+    (4, {"hybrid_shard_degree": 2}, 1, "hybrid-2x2"),
+    (4, {"hybrid_shard_degree": 2, "activation_checkpointing": "full"}, 2, "hybrid-2x2-ac-accum-2"),
+    (2, {"tensor_parallel_degree": 2}, 1, "tp-2"),
+]
+
+
+@pytest.mark.parametrize("world,config,grad_accum,name", CASES, ids=[c[3] for c in CASES])
+def test_matches_single_process_trainer(ranks, reference, tmp_path, world, config, grad_accum, name):
+    results = ranks(world).run(trainer_cases.train, config=config, output_dir=str(tmp_path), grad_accum=grad_accum)
+    assert all(r["dp"] == world // config.get("tensor_parallel_degree", 1) for r in results)
+    assert_same_losses(results, reference(grad_accum)["losses"])
+
+
+def test_tp_2_fsdp_2(ranks, reference, tmp_path):
+    results = ranks(4).run(trainer_cases.train, config={"tensor_parallel_degree": 2}, output_dir=str(tmp_path))
+    assert all(r["dp"] == 2 for r in results)
+    assert_same_losses(results, reference()["losses"])
+
+
+def test_world_rank_sharding_is_caught(ranks, reference, tmp_path):
+    """accelerate's own sharding (by world rank) under TP: the two TP ranks read different rows."""
+    results = ranks(2).run(trainer_cases.train, config={"tensor_parallel_degree": 2}, output_dir=str(tmp_path),
+                           world_rank_data=True)
+    expected = reference()["losses"]
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], expected)) > 100 * LOSS_TOL
+
+
+def test_lora_under_fsdp_matches_single_process(ranks, reference, tmp_path):
+    config = {"activation_checkpointing": "full"}
+    results = ranks(2).run(trainer_cases.train, config=config, output_dir=str(tmp_path), lora=True, export=True)
+    ref = reference(lora=True)
+    assert_same_losses(results, ref["losses"])
+    for r in results:
+        assert r["trainable"] and all("lora_" in n for n in r["trainable"]), r["trainable"]
+        assert r["optimized"] == len(r["trainable"])  # the optimizer holds the adapters only
+    assert results[0]["logits_diff"] < 1e-5  # PeftModel.from_pretrained(base, adapter folder)
+    assert (tmp_path / "final" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "final" / "adapter_config.json").exists()
+
+
+def test_export_loads_with_from_pretrained(ranks, tmp_path):
+    results = ranks(2).run(trainer_cases.train, config={"hybrid_shard_degree": 1}, output_dir=str(tmp_path),
+                           steps=2, export=True)
+    assert results[0]["logits_diff"] < 1e-5
+    assert (tmp_path / "final" / "config.json").exists()
+    assert not (tmp_path / "final" / "smp_commit.json").exists()  # a plain HF folder, not an smp export
+
+
+def test_resume_is_bitwise_at_same_world_size(ranks, tmp_path):
+    first = ranks(2).run(trainer_cases.train, config={}, output_dir=str(tmp_path / "a"), save_steps=2)
+    # save_total_limit=2 -> keep_last=2: both checkpoints of the 4 steps are kept
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = ranks(2).run(trainer_cases.train, config={}, output_dir=str(tmp_path / "b"), save_steps=2,
+                           resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert resumed[0]["losses"] == first[0]["losses"]
+    for name, p in first[0]["params"].items():
+        assert torch.equal(p, resumed[0]["params"][name]), name
+
+
+def test_resume_at_another_world_size(ranks, tmp_path):
+    first = ranks(2).run(trainer_cases.train, config={}, output_dir=str(tmp_path / "a"), save_steps=2)
+    resumed = ranks(4).run(trainer_cases.train, config={"hybrid_shard_degree": 2}, output_dir=str(tmp_path / "b"),
+                           resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert_same_losses(resumed, first[0]["losses"])
+
+
+def test_conflicting_settings_are_refused(tmp_path, monkeypatch):
+    """Refused in the constructor, before smp.init or any collective: one message naming both."""
+    from smp.integrations import SMPTrainer
+
+    model = trainer_cases.build_model()
+    data = trainer_cases.TokenRows()
+    cases = [
+        # TrainingArguments, environment (as `accelerate launch` sets it), smp config, named in the error
+        (dict(fsdp="full_shard"), {}, {}, "`fsdp`"),
+        (dict(fsdp_config={"version": 2}), {}, {}, "`fsdp_config`"),
+        ({}, {"ACCELERATE_USE_FSDP": "true"}, {}, "ACCELERATE_USE_FSDP"),
+        # (TrainingArguments(deepspeed=...) itself needs deepspeed installed; the launcher's flag does not)
+        ({}, {"ACCELERATE_USE_DEEPSPEED": "true"}, {}, "DeepSpeed"),
+        (dict(bf16=True), {}, {"mixed_precision": {"param_dtype": "bf16"}}, "`bf16=True`"),
+        (dict(fp16=True), {}, {"mixed_precision": {"param_dtype": "bf16"}}, "mixed_precision.param_dtype='bf16'"),
+        (dict(activation_checkpointing=True), {}, {"activation_checkpointing": "full"}, "`activation_checkpointing`"),
+    ]
+    for overrides, env, config, needle in cases:
+        args = trainer_cases.training_args(str(tmp_path), 1, **overrides)
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            with pytest.raises(ConfigError, match="smp") as info:
+                SMPTrainer(model=model, args=args, train_dataset=data, smp_config=config)
+        assert needle in str(info.value), (needle, str(info.value))
+    with pytest.raises(ConfigError, match="tensor_parallel_degree"):
+        SMPTrainer(model=trainer_cases.build_model(lora=True), args=trainer_cases.training_args(str(tmp_path), 1),
+                   train_dataset=data, smp_config={"tensor_parallel_degree": 2})
+    assert not smp.is_initialized()  # nothing started: every refusal came first
