@@ -28,9 +28,17 @@ pytestmark = pytest.mark.slow
 _OWN = ("smp", "smp_collectives", "smp_parallel", "smp_collectives", "__editable__")
 
 
+def _clean_env() -> dict[str, str]:
+    # Nothing of the calling environment may point the fresh venv at this checkout.
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def _imports_smp(python: Path, cwd: Path) -> bool:
+    return subprocess.run([str(python), "-c", "import smp"], cwd=cwd, env=_clean_env(), capture_output=True).returncode == 0
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -38,7 +46,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> str:
 def _fresh_venv(tmp: Path) -> Path:
     """A venv whose site-packages links to ours, minus smp's own packages; returns its python."""
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, env=_clean_env())
     python = venv / "bin" / "python"
     shared = tmp / "shared-site"
     shared.mkdir()
@@ -52,8 +60,7 @@ def _fresh_venv(tmp: Path) -> Path:
     target_site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp).strip())
     (target_site / "_shared_site.pth").write_text(f"{shared}\n")
     # The fresh venv must not see smp before we install it (the negative control of every case).
-    probe = subprocess.run([str(python), "-c", "import smp"], cwd=tmp, capture_output=True)
-    assert probe.returncode != 0, "the fresh venv already imports smp: the test would prove nothing"
+    assert not _imports_smp(python, tmp), "the fresh venv already imports smp: the test would prove nothing"
     _run([str(python), "-c", "import torch, pydantic, yaml"], tmp)
     return python
 
@@ -131,5 +138,4 @@ def test_kernels_install_on_their_own(tmp_path):
                 "print(smp_collectives.__version__, m.version('smp-collectives'))"], tmp_path)
     version, meta = out.split()
     assert version == meta
-    probe = subprocess.run([str(python), "-c", "import smp"], cwd=tmp_path, capture_output=True)
-    assert probe.returncode != 0  # only the kernels came with it
+    assert not _imports_smp(python, tmp_path)  # only the kernels came with it
