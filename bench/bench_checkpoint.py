@@ -9,6 +9,14 @@ For each tiny-Llama size (hidden x layers, AdamW state included) and each mode:
   - load (into a freshly transformed model and optimizer) and export_hf;
   - bytes on disk of the checkpoint and of the export.
 Median of --repeats runs, rank 0's clock after a barrier. Writes bench/results/checkpoint_w{N}.json.
+
+    torchrun --standalone --nproc-per-node 2 bench/bench_checkpoint.py --digest
+
+instead compares sync save and load with file digests (what smp does: each rank hashes the
+files it wrote, load verifies every file first) against the same calls with hashing skipped
+(`digest.file_digest` replaced by a constant; sizes, paths and the allow-listed unpickling
+still run), alternating the two per repeat, and puts both next to this disk's write bandwidth
+(a dd-like 512 MiB write + fdatasync into --dir). Writes bench/results/checkpoint_digest.json.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import smp
+from smp.checkpointing import digest
 from smp.testing.models import tiny_llama_config
 
 
@@ -87,12 +96,71 @@ def bench_size(hidden: int, layers: int, root: str, repeats: int) -> dict:
     return row
 
 
+def disk_write_mb_s(root: str, mib: int = 512) -> float:
+    """(rank 0) Sequential write + fdatasync of `mib` MiB of random bytes, as `dd conv=fdatasync`."""
+    block = os.urandom(8 * 2**20)
+    file = os.path.join(root, "dd_probe")
+    t = time.perf_counter()
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for _ in range(mib // 8):
+            os.write(fd, block)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t
+    os.remove(file)
+    return mib * 2**20 / 1e6 / seconds
+
+
+def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
+    model, opt, n_params = _build(hidden, layers)
+    fresh, fresh_opt, _ = _build(hidden, layers)
+    ck = smp.checkpointing
+    real_digest = digest.file_digest
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in ("verified", "unverified")}
+    for i in range(repeats):
+        for mode in (("verified", "unverified") if i % 2 == 0 else ("unverified", "verified")):
+            digest.file_digest = real_digest if mode == "verified" else (lambda path, algo: f"{algo}:skipped")
+            path = os.path.join(root, f"d{hidden}_{mode}_{i}")
+            try:
+                times[mode]["save"].append(_timed(lambda: ck.save(path, model, opt, extra={"step": i})))
+                times[mode]["load"].append(_timed(lambda: ck.load(path, fresh, fresh_opt)))
+            finally:
+                digest.file_digest = real_digest
+    sample = os.path.join(root, f"d{hidden}_verified_0")
+    size = _dir_bytes(sample)
+    # The hashing itself, on one rank, all files (a save or load splits it over the ranks):
+    # robust to the disk noise that the end-to-end times carry on a shared machine.
+    files = digest.data_files(sample, frozenset({"smp_meta.json", "smp_commit.json", "smp_partial.json"}))
+    t = time.perf_counter()
+    digest.describe(sample, files, digest.algorithm())
+    hash_s = time.perf_counter() - t
+    row = {"hidden": hidden, "layers": layers, "params": n_params, "checkpoint_bytes": size,
+           "digest_algorithm": digest.algorithm(), "hash_all_files_one_rank_s": hash_s,
+           "hash_mb_s": size / 1e6 / hash_s}
+    for mode, t in times.items():
+        for what in ("save", "load"):
+            seconds = statistics.median(t[what])
+            row[f"{what}_{mode}_s"] = seconds
+            row[f"{what}_{mode}_mb_s"] = size / 1e6 / seconds
+    for what in ("save", "load"):
+        row[f"{what}_slowdown"] = row[f"{what}_verified_s"] / row[f"{what}_unverified_s"] - 1
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for name in os.listdir(root):
+            if name.startswith(f"d{hidden}_"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="256x4,512x8,1024x8", help="hidden x layers, comma separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hybrid", type=int, default=0)
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
+    parser.add_argument("--digest", action="store_true", help="save/load with vs without file digests")
     args = parser.parse_args()
     torch.set_num_threads(1)
     smp.init({"hybrid_shard_degree": args.hybrid})
@@ -100,6 +168,9 @@ def main() -> None:
     box = [root]
     dist.broadcast_object_list(box, src=0)
     root = box[0]
+    if args.digest:
+        _main_digest(args, root)
+        return
     rows = []
     for size in args.sizes.split(","):
         hidden, layers = (int(x) for x in size.split("x"))
@@ -117,6 +188,34 @@ def main() -> None:
             "torch": torch.__version__, "storage": "local disk (virtio block device)",
             "command": f"torchrun --standalone --nproc-per-node {dist.get_world_size()} "
                        f"bench/bench_checkpoint.py --sizes {args.sizes} --repeats {args.repeats}",
+            "rows": rows,
+        }, indent=1))
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    smp.shutdown()
+
+
+def _main_digest(args, root: str) -> None:
+    disk = [disk_write_mb_s(root) if dist.get_rank() == 0 else 0.0]
+    dist.broadcast_object_list(disk, src=0)
+    rows = []
+    for size in args.sizes.split(","):
+        hidden, layers = (int(x) for x in size.split("x"))
+        rows.append(bench_digest(hidden, layers, root, args.repeats))
+        if dist.get_rank() == 0:
+            r = rows[-1]
+            print(f"{r['params'] / 1e6:7.1f}M params  ckpt {r['checkpoint_bytes'] / 2**20:8.1f} MiB  "
+                  f"save {r['save_verified_s']:.3f}s vs {r['save_unverified_s']:.3f}s ({r['save_slowdown']:+.1%}, "
+                  f"{r['save_verified_mb_s']:.0f} MB/s)  load {r['load_verified_s']:.3f}s vs "
+                  f"{r['load_unverified_s']:.3f}s ({r['load_slowdown']:+.1%}, {r['load_verified_mb_s']:.0f} MB/s)  "
+                  f"disk {disk[0]:.0f} MB/s  hashing {r['hash_mb_s']:.0f} MB/s", flush=True)
+    if dist.get_rank() == 0:
+        out = Path(__file__).parent / "results" / "checkpoint_digest.json"
+        out.write_text(json.dumps({
+            "world_size": dist.get_world_size(), "torch": torch.__version__,
+            "disk_write_mb_s": disk[0], "disk_probe": "512 MiB sequential write + fdatasync into --dir",
+            "command": f"torchrun --standalone --nproc-per-node {dist.get_world_size()} "
+                       f"bench/bench_checkpoint.py --digest --sizes {args.sizes} --repeats {args.repeats}",
             "rows": rows,
         }, indent=1))
         if not args.dir:

@@ -230,7 +230,7 @@ def evaluate(model, rows: torch.Tensor, args, st) -> float:
     losses = []
     for start in range(0, batches * args.global_batch, args.global_batch):
         mine = rows[start + st.dp_rank * per_rank: start + (st.dp_rank + 1) * per_rank].to(st.device)
-        losses.append(float(model(input_ids=mine, labels=mine).loss))
+        losses.append(float(model(**smp.context_parallel.shard_batch(mine)).loss))
     model.train()
     return smp.training.all_reduce_mean(sum(losses) / len(losses))
 
@@ -317,7 +317,8 @@ def main(argv=None) -> None:
             last = m == args.grad_accum - 1
             # Accumulate locally; only the last micro-step's backward syncs gradients.
             with smp.no_sync(model) if not last else contextlib.nullcontext():
-                loss = model(input_ids=chunk, labels=chunk).loss / args.grad_accum
+                # This rank's chunks of each sequence under context parallel (else the rows whole).
+                loss = model(**smp.context_parallel.shard_batch(chunk)).loss / args.grad_accum
                 loss.backward()
             loss_sum += loss.detach().float()
         grad_norm = smp.clip_grad_norm_(model, args.clip)

@@ -5,8 +5,9 @@
     torchrun --standalone --nproc-per-node 8 examples/finetune_sft.py --model /path/to/hf_chat_model --data chats.jsonl
 
 The smp change to a TRL script: `smp_trainer_class(SFTTrainer)(..., smp_config=...)`. TRL's
-configs default to bf16=True and gradient_checkpointing=True; with smp both come from the smp
-config (mixed_precision, activation_checkpointing), so the SFTConfig turns them off.
+defaults bf16=True and gradient_checkpointing=True stay: smp maps them onto its own bf16
+mixed-precision policy and activation checkpointing (docs/trainer.md), unless the smp config
+sets those otherwise.
 By default a tiny Llama over a byte-level tokenizer made here (no download); --model takes a
 local folder with a tokenizer that has a chat template.
 """
@@ -69,7 +70,6 @@ def main() -> None:
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.per_device_batch,
         learning_rate=args.lr, max_length=256, logging_steps=5, save_strategy="steps",
         save_steps=max(1, args.steps // 2), save_total_limit=1, report_to=[], use_cpu=not torch.cuda.is_available(),
-        bf16=False, gradient_checkpointing=False,  # smp's config owns both (see the docstring)
     )
     trainer = smp_trainer_class(SFTTrainer)(model=model, args=config, train_dataset=dataset,
                                             processing_class=tokenizer, smp_config=args.config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Sequence
@@ -166,19 +167,61 @@ def _parse_memory(text: str | None) -> float | None:
         return None
     t = text.strip().upper().removesuffix("IB").removesuffix("B").removesuffix("G")
     try:
-        return float(t)
+        gib = float(t)
     except ValueError:
-        raise UsageError(f"--device-memory {text!r}: give GiB per device, e.g. 80 or 80GiB") from None
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise UsageError(f"--device-memory {text[:100]!r}: give GiB per device (> 0), e.g. 80 or 80GiB")
+    return gib
+
+
+# The largest world `smp check` / `smp plan` take: planning builds the mesh of the whole world
+# on a fake process group, which costs time and memory per rank (tens of seconds at 2**16).
+MAX_WORLD_SIZE = 2**20
+
+
+def _world_size(text: str) -> int:
+    n = _positive_int(text)
+    if n > MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"{n} is larger than smp plans for (at most {MAX_WORLD_SIZE})")
+    return n
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:100]!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:100]!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
+    return n
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (no usage block), as smp's own errors are."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message[:400]} (see {self.prog} --help)\n")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from smp.planning import GiB, plan, suggest
 
+    memory = _parse_memory(args.device_memory)  # before planning, which can take seconds
     cfg = load_config(args.config) if args.config else load_config({})
     kwargs = dict(rank=args.rank, seq_len=args.seq_len, micro_batch=args.batch, optimizer=args.optimizer,
                   grad_accum=args.grad_accum)
     result = plan(cfg, args.model, args.world_size, **kwargs)
-    memory = _parse_memory(args.device_memory)
     out: dict = {"plan": result.to_dict()}
     if not args.json:
         print(result.format())
@@ -207,7 +250,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="smp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="smp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"smp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -222,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a config and show what transform would do")
     check.add_argument("config", nargs="?", help="YAML / JSON config")
-    check.add_argument("--world-size", "-w", type=int, default=1)
+    check.add_argument("--world-size", "-w", type=_world_size, default=1)
     check.add_argument("--model", default=None, help="also run transform on this model on meta (a named shape or a folder)")
     check.add_argument("--schema", action="store_true", help="print the config's JSON schema")
 
@@ -230,12 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("config", nargs="?", help="YAML / JSON config (default: smp's defaults)")
     plan.add_argument("--model", required=True, help="named shape (tiny, llama-1b, llama-8b, llama-70b), a local "
                                                      "model folder with config.json, or a config.json file")
-    plan.add_argument("--world-size", "-w", type=int, required=True)
-    plan.add_argument("--seq-len", type=int, default=2048)
-    plan.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank per micro-step")
-    plan.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    plan.add_argument("--world-size", "-w", type=_world_size, required=True)
+    plan.add_argument("--seq-len", type=_positive_int, default=2048)
+    plan.add_argument("--batch", type=_positive_int, default=1, help="sequences per data-parallel rank per micro-step")
+    plan.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-steps per optimizer step")
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd or sgd-momentum")
-    plan.add_argument("--rank", type=int, default=0, help="which rank to plan for")
+    plan.add_argument("--rank", type=_non_negative_int, default=0, help="which rank to plan for")
     plan.add_argument("--device-memory", default=None, help="GiB per device: say whether it fits, and suggest degrees")
     plan.add_argument("--suggest", action="store_true", help="suggest degrees even when the config fits")
     plan.add_argument("--json", action="store_true", help="print JSON")
@@ -258,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_check(args)
         return cmd_plan(args)
     except ValueError as e:  # UsageError, ConfigError, ModelSpecError: the message is the whole story
-        print(f"smp {args.command}: error: {e}", file=sys.stderr)
+        one_line = " ".join(line.strip() for line in str(e).splitlines())
+        print(f"smp {args.command}: error: {one_line}", file=sys.stderr)
         return 2
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import reprlib
 from pathlib import Path
 from typing import Any, Literal, Union
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from smp.config_file import read_config_file
 from smp.errors import ConfigError  # raised by load_config; importable from here too
 
 
@@ -133,6 +134,74 @@ class CompileConfig(_Strict):
         return value
 
 
+class ContextParallelConfig(_Strict):
+    """How attention runs across the `context_parallel_degree` chunks of each sequence
+    (docs/context-parallel.md)."""
+
+    # ring: K/V blocks travel around the cp ring, one step per rank, overlapped with the
+    # attention of the block in hand (K/V memory 2/cp of the sequence). allgather: one all-gather
+    # of K/V, then attention (the whole sequence's K/V on every rank; fewer, larger messages).
+    algorithm: Literal["ring", "allgather"] = "ring"
+    # Causal attention: split each sequence into 2 x cp chunks, rank i gets chunks i and
+    # 2cp-1-i, so every rank does the same attention work (else rank cp-1 does ~2cp-1 times
+    # rank 0's). Needs a sequence length divisible by 2 x cp.
+    load_balance: bool = True
+
+
+class MoEConfig(_Strict):
+    """Mixture-of-experts options (the `moe:` section; SMP v2's MoEConfig keys). They apply when
+    expert_parallel_degree > 1; docs/expert-parallel.md says what each does."""
+
+    # aux_loss: the model's own load-balancing loss (its router logits are returned), computed
+    # from the router statistics of the whole data-parallel batch, as one process would.
+    # none: no balancing loss. None keeps the model's own `output_router_logits` setting.
+    # SMP v2's sinkhorn / balanced routing are not implemented: refused, never ignored.
+    moe_load_balancing: Literal["aux_loss", "none", "sinkhorn", "balanced"] | None = None
+    # The load-balancing loss weight; None keeps the model's own `router_aux_loss_coef`.
+    moe_aux_loss_coeff: float | None = Field(default=None, ge=0)
+    # Router z-loss weight: not implemented, so only 0 is accepted.
+    moe_z_loss_coeff: float = Field(default=0.0, ge=0)
+    # Tokens go to the ranks of their experts by all-to-all, within each expert-parallel group;
+    # SMP v2's global shuffle and its all-gather dispatcher are not implemented.
+    global_token_shuffle: bool = False
+    moe_all_to_all_dispatcher: bool = Field(default=True, alias="moe_all2all_dispatcher")
+    # None: no token is dropped. c: each expert takes at most ceil(c x tokens x top_k / experts)
+    # of a rank's token choices per layer; the overflow contributes zero and is counted
+    # (smp.expert_parallel.expert_load).
+    capacity_factor: float | None = Field(default=None, gt=0)
+    # Module-name pattern -> "ep_dispatch_experts" (an experts module) or "grouped_gemm" (one
+    # of its [num_experts, ...] parameters). Overrides the model's own `base_model_ep_plan`.
+    plan: dict[str, str] | None = None
+
+    @field_validator("moe_load_balancing")
+    @classmethod
+    def _balancing_implemented(cls, value: str | None) -> str | None:
+        if value in ("sinkhorn", "balanced"):
+            raise ValueError(f"moe_load_balancing={value!r} is not implemented by smp; use 'aux_loss' or 'none'")
+        return value
+
+    @field_validator("moe_z_loss_coeff")
+    @classmethod
+    def _z_loss_implemented(cls, value: float) -> float:
+        if value:
+            raise ValueError("the router z-loss is not implemented by smp; set moe_z_loss_coeff: 0")
+        return value
+
+    @field_validator("global_token_shuffle")
+    @classmethod
+    def _shuffle_implemented(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("global_token_shuffle is not implemented by smp; set it to false")
+        return value
+
+    @field_validator("moe_all_to_all_dispatcher")
+    @classmethod
+    def _all_to_all_only(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("smp dispatches tokens by all-to-all only; set moe_all_to_all_dispatcher: true")
+        return value
+
+
 class SMPConfig(_Strict):
     # --- parallel degrees (SMP v2 keys) ---
     # 0: shard over all data-parallel ranks; 1: replicate (no sharding);
@@ -153,7 +222,9 @@ class SMPConfig(_Strict):
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
 
     # --- misc SMP v2 keys ---
-    random_seed: int = Field(default=12345, ge=0)
+    # torch.manual_seed's range (numpy is seeded with it modulo 2**32): a larger seed would
+    # pass here and fail in smp.init.
+    random_seed: int = Field(default=12345, ge=0, le=2**64 - 1)
     fsdp_cache_flush_warnings: bool = True
     allow_empty_shards: bool = True
 
@@ -173,8 +244,10 @@ class SMPConfig(_Strict):
     shard_modules: list[str] = []
 
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    context_parallel: ContextParallelConfig = ContextParallelConfig()
     gradient_sync: GradientSyncConfig = GradientSyncConfig()
     compile: CompileConfig = CompileConfig()
+    moe: MoEConfig = MoEConfig()
 
     # --- runtime ---
     backend: Literal["nccl", "gloo"] | None = None
@@ -211,12 +284,16 @@ class SMPConfig(_Strict):
             raise ValueError("an int reshard_after_forward is a group size and must be >= 1")
         return value
 
-    @field_validator("context_parallel_degree", "expert_parallel_degree")
-    @classmethod
-    def _not_supported_yet(cls, value: int, info: Any) -> int:
-        if value > 1:
-            raise ValueError(f"{info.field_name} > 1 is not supported yet by smp; set {info.field_name}: 1")
-        return value
+    @model_validator(mode="after")
+    def _expert_parallel_composes(self) -> "SMPConfig":
+        # Selective checkpointing replays cached op outputs by invocation order; the dispatch's
+        # data-dependent collectives break that order (full checkpointing recomputes them).
+        if self.expert_parallel_degree > 1 and self.activation_checkpointing.mode == "selective":
+            raise ValueError(
+                "expert_parallel_degree > 1 with activation_checkpointing 'selective' is not supported "
+                "by smp; use 'full' or 'none'"
+            )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -257,29 +334,20 @@ def _format_error(err: dict[str, Any]) -> str:
         parent, name = loc[:-1], str(loc[-1])
         close = difflib.get_close_matches(name, _known_keys(_submodel_at(parent)), n=1, cutoff=0.5)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        return f"unknown key '{key}'{hint}"
+        return f"unknown key '{_clip(key)}'{hint}"
     message = err["msg"].removeprefix("Value error, ")
-    return f"'{key}': {message} (got {err.get('input')!r})"
+    return f"'{_clip(key)}': {message} (got {_clip(_INPUT_REPR.repr(err.get('input')))})"
 
 
-def _read_file(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
-    try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        else:
-            raise ConfigError(f"config file {str(path)!r}: use a .json, .yaml or .yml file")
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix[1:]}: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(data).__name__}")
-    return data
+# A value quoted in an error is cut short: the input may be megabytes (or an alias bomb).
+_INPUT_REPR = reprlib.Repr()
+_INPUT_REPR.maxlevel, _INPUT_REPR.maxstring, _INPUT_REPR.maxother, _INPUT_REPR.maxlong = 3, 120, 120, 60
+# More errors than this in one config are counted, not listed.
+_MAX_ERRORS_SHOWN = 10
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 ConfigSource = Union[SMPConfig, dict, str, os.PathLike, None]
@@ -288,23 +356,56 @@ ConfigSource = Union[SMPConfig, dict, str, os.PathLike, None]
 def load_config(source: ConfigSource = None) -> SMPConfig:
     """A validated SMPConfig from a dict, a .json/.yaml/.yml path, an SMPConfig, or None.
 
-    None reads the path in the SMP_CONFIG environment variable, else gives the defaults.
+    None reads the environment (`_config_from_environment`), else gives the defaults.
     Every problem raises ConfigError naming the key.
     """
     if isinstance(source, SMPConfig):
         return source
     if source is None:
-        env_path = os.environ.get("SMP_CONFIG")
-        source = env_path if env_path else {}
+        return _config_from_environment()
     if isinstance(source, (str, os.PathLike)):
-        source = _read_file(Path(source))
+        source = read_config_file(Path(source))  # bounded: size, aliases, depth, duplicate keys
     if not isinstance(source, dict):
         raise ConfigError(f"smp config must be a dict, a file path or None, not {type(source).__name__}")
     try:
         return SMPConfig.model_validate(source)
     except ValidationError as e:
-        lines = [_format_error(err) for err in e.errors()]
+        errors = e.errors()
+        lines = [_format_error(err) for err in errors[:_MAX_ERRORS_SHOWN]]
+        if len(errors) > _MAX_ERRORS_SHOWN:
+            lines.append(f"... and {len(errors) - _MAX_ERRORS_SHOWN} more errors")
         raise ConfigError("invalid smp config:\n  " + "\n  ".join(lines)) from None
+
+
+# How SageMaker delivers the estimator's `mp_parameters` (SMP v2's config) to the script: JSON.
+SAGEMAKER_CONFIG_ENV = "SM_HP_MP_PARAMETERS"
+
+
+def _config_from_environment() -> SMPConfig:
+    """The config $SM_HP_MP_PARAMETERS holds (JSON), else the file $SMP_CONFIG names, else the
+    defaults. Both set is allowed only when they say the same (docs/migrating-from-smp-v2.md#config)."""
+    env_path = os.environ.get("SMP_CONFIG")
+    from_path = load_config(env_path if env_path else {})
+    raw = os.environ.get(SAGEMAKER_CONFIG_ENV)
+    if not raw:
+        return from_path
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"${SAGEMAKER_CONFIG_ENV} is not valid JSON ({e}): {raw[:200]!r}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"${SAGEMAKER_CONFIG_ENV} must hold a JSON object of keys, not {type(data).__name__}")
+    try:
+        from_sagemaker = load_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"${SAGEMAKER_CONFIG_ENV}: {e}") from None
+    if env_path and from_sagemaker != from_path:
+        raise ConfigError(
+            f"two different configs in the environment: ${SAGEMAKER_CONFIG_ENV} (SageMaker's "
+            f"mp_parameters: {raw[:200]}) and $SMP_CONFIG={env_path!r}; unset one of them, or make "
+            f"them say the same"
+        )
+    return from_sagemaker
 
 
 def json_schema() -> dict[str, Any]:

@@ -3,6 +3,19 @@
 Mesh axes, outermost first: ("dp_replicate", "dp_shard", "tp"). TP is innermost so that a
 tensor-parallel group sits on adjacent ranks (one host, the fastest links); replication is
 outermost so that only the gradient all-reduce of HSDP crosses the slowest links.
+
+Context parallel (cp > 1) adds a "cp" axis between dp_shard and tp: world = dp_replicate x
+dp_shard x cp x tp. The cp ranks come out of the data-parallel ranks (world / tp): a cp group
+shares its batch rows ("dp" = dp_replicate x dp_shard still says which rows a rank gets) and
+FSDP shards over dp_shard x cp together ("dp_shard_cp", torchtitan's layout), so gradients are
+reduced over every rank that saw part of the batch. hybrid_shard_degree counts that shard group,
+cp included. With cp = 1 the mesh is the 3-D one, unchanged.
+
+Expert parallel (ep > 1) borrows its ranks from dp_shard, as torchtitan and Megatron do: the
+mesh is dp_replicate x dp_shard_mod_ep x ep x tp, and "dp_shard" is the flattened
+(dp_shard_mod_ep, ep), so non-expert parameters are FSDP-sharded over every data-parallel rank
+as before while expert parameters (split over "ep") are FSDP-sharded over what is left
+(`expert_fsdp_mesh`). ep is innermost in dp_shard: the all-to-alls stay on adjacent ranks.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    cp: int = 1
+    ep: int = 1
 
     @classmethod
     def from_config(cls, config: SMPConfig, world_size: int) -> "ParallelDims":
@@ -39,46 +54,95 @@ class ParallelDims:
                 f"({degrees}); choose a tensor_parallel_degree that divides {world_size}"
             )
         dp = world_size // tp
+        cp = config.context_parallel_degree
+        if dp % cp:
+            raise ConfigError(
+                f"context_parallel_degree={cp} does not divide the data-parallel size {dp} = "
+                f"world_size / tensor_parallel_degree ({degrees}); cp ranks come out of the "
+                f"data-parallel ranks: world = dp_replicate x dp_shard x cp x tp"
+            )
         if hybrid == 0:  # shard over every data-parallel rank
-            dp_shard, dp_replicate = dp, 1
-        elif dp % hybrid:
+            dp_shard, dp_replicate = dp // cp, 1
+        elif dp % hybrid or hybrid % cp:
             raise ConfigError(
                 f"hybrid_shard_degree={hybrid} does not divide the data-parallel size {dp} = "
                 f"world_size / tensor_parallel_degree ({degrees}); use 0 (shard over all), 1 "
                 f"(replicate) or a divisor of {dp}"
+                + (f" that is a multiple of context_parallel_degree={cp} (FSDP shards over the cp "
+                   f"ranks too)" if cp > 1 else "")
             )
         else:
-            dp_shard, dp_replicate = hybrid, dp // hybrid
-        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size)
+            dp_shard, dp_replicate = hybrid // cp, dp // hybrid
+        ep = config.expert_parallel_degree
+        if ep > 1 and (tp > 1 or cp > 1):
+            raise ConfigError(
+                f"expert_parallel_degree={ep} with tensor_parallel_degree={tp} / context_parallel_"
+                f"degree={cp} > 1 is not supported by smp (SMP v2 cannot combine them either); "
+                f"set tensor_parallel_degree and context_parallel_degree to 1 ({degrees})"
+            )
+        if dp_shard % ep:
+            raise ConfigError(
+                f"expert_parallel_degree={ep} does not divide the data-parallel shard size {dp_shard} "
+                f"({degrees}); expert-parallel ranks come out of the sharded data-parallel ranks: "
+                f"choose an expert_parallel_degree that divides {dp_shard}"
+            )
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, cp=cp, ep=ep)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.tp)
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        if self.ep > 1:
+            return ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+        return MESH_DIM_NAMES if self.cp == 1 else ("dp_replicate", "dp_shard", "cp", "tp")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.ep > 1:
+            return (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        if self.cp == 1:
+            return (self.dp_replicate, self.dp_shard, self.tp)
+        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def describe(self) -> str:
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        ep = f" (of which ep {self.ep})" if self.ep > 1 else ""
         return (
             f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard "
-            f"{self.dp_shard} x tp {self.tp}"
+            f"{self.dp_shard}{ep}{cp} x tp {self.tp}"
         )
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The 3-D mesh, and its flattened data-parallel axis "dp" (data loading, loss averaging)."""
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        """The mesh, and its flattened data-parallel axis "dp" (data loading, loss averaging).
+        With cp > 1 also the flattened FSDP axis "dp_shard_cp" (see `fsdp_mesh`)."""
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.mesh_dim_names)
+        if self.ep > 1:
+            mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
         dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        if self.cp > 1:
+            mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
         return mesh, dp_mesh
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims, replicas_by_hook: bool = False) -> DeviceMesh:
     """The mesh FSDP shards over: 2-D (replicate, shard) for native HSDP, else 1-D shard. With
     `replicas_by_hook` smp's all-reduce hook, not FSDP, syncs the replicas (see
-    smp/sharding/gradient_sync.py): 1-D shard too. Every replica holds identical parameters."""
+    smp/sharding/gradient_sync.py): 1-D shard too. Every replica holds identical parameters.
+    Under context parallel "shard" is dp_shard x cp: a cp group's gradients are partial sums."""
+    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     if dims.dp_replicate > 1 and not replicas_by_hook:
-        return mesh[("dp_replicate", "dp_shard")]
-    return mesh["dp_shard"]
+        return mesh[("dp_replicate", shard)]
+    return mesh[shard]
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards expert parameters over (they are already split over "ep"):
+    dp_shard_mod_ep, with dp_replicate in front under hybrid sharding."""
+    if dims.dp_replicate > 1:
+        return mesh[("dp_replicate", "dp_shard_mod_ep")]
+    return mesh["dp_shard_mod_ep"]
 
 
 def device_type_for(backend: str) -> str:

@@ -9,29 +9,37 @@ from torch.distributed.device_mesh import DeviceMesh
 from smp import runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
 from smp.compile import apply_compile
-from smp.config import SMPConfig
-from smp.mesh import ParallelDims, fsdp_mesh
+from smp.config import MoEConfig, SMPConfig
+from smp.context_parallel import apply_context_parallel, deactivate as deactivate_context_parallel
+from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
+from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_meta_model
 from smp.sharding.fsdp import torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
 from smp.tensor_parallel import apply_tensor_parallel
 
+runtime.register_shutdown_hook(deactivate_context_parallel)  # its process group goes at shutdown
+
 
 def transform(
-    model: nn.Module, *, tp_plan: dict[str, str] | None = None, materialize: bool = True
+    model: nn.Module, *, tp_plan: dict[str, str] | None = None, materialize: bool = True,
+    moe_config: MoEConfig | None = None,
 ) -> nn.Module:
     """Apply the configured parallelism to `model` in place and return it.
 
     Build the optimizer after this call, from the returned module's parameters, as with FSDP2.
-    `tp_plan` (module-name pattern -> style) overrides the model's own tensor-parallel plan.
+    `tp_plan` (module-name pattern -> style) overrides the model's own tensor-parallel plan;
+    `moe_config` (smp.expert_parallel.MoEConfig, SMP v2's `transform(model, config=MoEConfig(...))`)
+    overrides the config's `moe:` section.
     """
     st = runtime.current()
-    return apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan, materialize=materialize)
+    return apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan,
+                             materialize=materialize, moe_config=moe_config)
 
 
 def apply_parallelism(
     model: nn.Module, cfg: SMPConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, *,
-    tp_plan: dict[str, str] | None = None, materialize: bool = True,
+    tp_plan: dict[str, str] | None = None, materialize: bool = True, moe_config: MoEConfig | None = None,
 ) -> nn.Module:
     """`transform` with the state passed in: `cfg` applied over `mesh` (the 3-D mesh of `dims`),
     parameters on `device`. `smp plan` runs it under a fake process group, without smp.init.
@@ -48,6 +56,22 @@ def apply_parallelism(
         apply_tensor_parallel(
             model, mesh["tp"], tp_plan, config_plan=tp.plan,
             sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
+        )
+    # 1b. Context parallel: attention across the cp ranks' sequence chunks (wraps nothing).
+    if dims.cp > 1:
+        cp = cfg.context_parallel
+        apply_context_parallel(model, mesh["cp"], cp.algorithm, cp.load_balance)
+    # 1c. Expert parallel before checkpointing and FSDP wrap the blocks: experts split over "ep",
+    #     each experts module its own FSDP unit over the data-parallel ranks left (torchtitan's order).
+    if dims.ep > 1:
+        moe, mp = moe_config or cfg.moe, cfg.mixed_precision
+        experts = apply_expert_parallel(model, mesh["ep"], resolve_ep_plan(model, moe.plan), moe.capacity_factor)
+        apply_load_balancing(model, mesh["dp"].get_group(), moe.moe_load_balancing, moe.moe_aux_loss_coeff)
+        shard_experts(
+            experts, expert_fsdp_mesh(mesh, dims),
+            param_dtype=torch_dtype(mp.param_dtype), reduce_dtype=torch_dtype(mp.reduce_dtype),
+            output_dtype=torch_dtype(mp.output_dtype), cast_forward_inputs=mp.cast_forward_inputs,
+            reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
         )
     blocks = find_blocks(model, cfg.shard_modules)
     # 2. Activation checkpointing / offloading wrap the blocks before FSDP sees them, so that

@@ -5,6 +5,8 @@ MASTER_ADDR / MASTER_PORT set). On rank --fail-rank at step --fail-step, between
 backward (mid-step), it does --mode:
   raise  - raises ValueError          exit  - os._exit(7) (dies without a Python error)
   hang   - sleeps forever             ok    - nothing (a clean run)
+  kill   - SIGKILLs itself (as the OOM killer would)
+  stop   - SIGSTOPs itself (frozen until someone sends SIGCONT)
 With --ckpt DIR it saves a checkpoint after every step and resumes from the latest one at start;
 the failure then happens only on the first attempt (torchrun --max-restarts restarts it).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -25,7 +28,7 @@ from smp.testing.models import TinyTransformer
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["raise", "exit", "hang", "ok"], default="ok")
+    ap.add_argument("--mode", choices=["raise", "exit", "hang", "ok", "kill", "stop"], default="ok")
     ap.add_argument("--fail-rank", type=int, default=1)
     ap.add_argument("--fail-step", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
@@ -79,6 +82,9 @@ def _fail(mode: str, rank: int, step: int) -> None:
         os._exit(7)
     if mode == "hang":
         time.sleep(3600)
+    if mode in ("kill", "stop"):
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 
 
 class _nullcontext:

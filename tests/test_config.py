@@ -82,8 +82,10 @@ def test_round_trip():
         ({"gradient_sync": {"algorithm": "int4"}}, "'gradient_sync.algorithm'"),
         ({"mixed_precision": {"param_dtype": "int8"}}, "'mixed_precision.param_dtype'"),
         ({"reshard_after_forward": 0}, "'reshard_after_forward'"),
-        ({"context_parallel_degree": 2}, "context_parallel_degree > 1 is not supported yet"),
-        ({"expert_parallel_degree": 4}, "expert_parallel_degree > 1 is not supported yet"),
+        ({"context_parallel": {"algorithm": "tree"}}, "'context_parallel.algorithm'"),
+        ({"context_parallel_degree": 0}, "'context_parallel_degree'"),
+        ({"expert_parallel_degree": 0}, "'expert_parallel_degree'"),
+        ({"moe": {"moe_load_balancing": "sinkhorn"}}, "moe_load_balancing='sinkhorn' is not implemented"),
         ({"sm_activation_offloading": "yes"}, "'sm_activation_offloading'"),
     ],
 )

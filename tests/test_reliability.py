@@ -62,6 +62,12 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> tuple[list[int 
 def _launch(world: int, args: list[str], tmp_path: Path, deadline: float = DEADLINE):
     """One process per rank, as torchrun would start them, but with no agent that kills the
     others: what stops them here is smp (or the collective timeout)."""
+    procs, logs = _start(world, args, tmp_path)
+    codes, elapsed = _wait_all(procs, deadline)
+    return codes, [log.read_text() for log in logs], elapsed
+
+
+def _start(world: int, args: list[str], tmp_path: Path) -> tuple[list[subprocess.Popen], list[Path]]:
     port = free_port()
     procs, logs = [], []
     for rank in range(world):
@@ -74,8 +80,7 @@ def _launch(world: int, args: list[str], tmp_path: Path, deadline: float = DEADL
                 [sys.executable, WORKER, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killpg reaches its children
             ))
-    codes, elapsed = _wait_all(procs, deadline)
-    return codes, [log.read_text() for log in logs], elapsed
+    return procs, logs
 
 
 def _torchrun(args: list[str], tmp_path: Path, nproc: int = 2, max_restarts: int = 0):
@@ -134,6 +139,51 @@ def test_hung_rank_is_bounded_by_the_config_timeout(tmp_path):
     assert "rank 1 is not in a collective (hung?): step 1" in outputs[0], outputs[0]
     assert "reliability_worker.py" in outputs[0]  # where rank 1's main thread was
     assert "rank 1 stopping at step 1" in outputs[1], outputs[1]
+
+
+@pytest.mark.slow
+def test_store_host_killed_is_named_not_the_survivor(tmp_path):
+    """Rank 0 hosts the TCPStore and is SIGKILLed mid-step. The survivor used to blame itself
+    ("rank 1 failed at step 1: Connection reset", with a C++ stack dump); it now says in one
+    line that rank 0, the store's host, is gone, and exits as a stopped rank."""
+    codes, outputs, _ = _launch(2, ["--mode", "kill", "--fail-rank", "0", "--fail-step", "1", "--timeout", "300"],
+                                tmp_path)
+    assert codes[0] == -signal.SIGKILL and codes[1] == PEER_FAILURE_EXIT_CODE, _explain(codes, outputs)
+    smp_lines = [line for line in outputs[1].splitlines() if line.startswith("[smp]")]
+    assert len(smp_lines) == 1, outputs[1]
+    assert smp_lines[0].startswith("[smp] rank 1 stopping at step 1: rank 0 (the rendezvous store's host"), smp_lines
+    assert "rank 1 failed" not in outputs[1] and "frame #" not in outputs[1], outputs[1]
+
+
+@pytest.mark.slow
+def test_frozen_rank_is_called_frozen_and_does_not_blame_itself(tmp_path):
+    """Rank 1 SIGSTOPs itself mid-step. Rank 0's collective times out; its census sees rank 1's
+    process stopped (not dead). Once rank 0 has exited, rank 1 is resumed (SIGCONT): it stops in
+    one line, without reporting itself as the failed rank."""
+    procs, logs = _start(2, ["--mode", "stop", "--fail-step", "1", "--timeout", "8"], tmp_path)
+    try:
+        start = time.monotonic()
+        while procs[0].poll() is None and time.monotonic() - start < DEADLINE:
+            time.sleep(0.1)
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    codes, _ = _wait_all(procs, DEADLINE)
+    outputs = [log.read_text() for log in logs]
+    assert codes[0] == 1 and codes[1] == PEER_FAILURE_EXIT_CODE, _explain(codes, outputs)
+    assert "rank 1 is frozen at step 1: its process" in outputs[0] and "did not answer" not in outputs[0], outputs[0]
+    smp_lines = [line for line in outputs[1].splitlines() if line.startswith("[smp]")]
+    assert len(smp_lines) == 1 and smp_lines[0].startswith("[smp] rank 1 stopping at step 1"), outputs[1]
+    assert "rank 1 failed" not in outputs[1], outputs[1]
+
+
+@pytest.mark.slow
+def test_torchrun_root_cause_is_the_failing_rank(tmp_path):
+    """torchrun names as "Root Cause" the first rank it sees fail. The stopped rank used to
+    exit first (status 3) while the failing rank waited for acknowledgements, and was named."""
+    code, text, _ = _torchrun(["--mode", "raise", "--fail-step", "2", "--timeout", "300"], tmp_path)
+    assert code != 0, text[-6000:]
+    root = text.split("Root Cause", 1)[-1]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root) and re.search(r"exitcode\s*: 1 ", root), text[-6000:]
 
 
 # ----------------------------------------------------------------------------------------------

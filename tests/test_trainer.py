@@ -64,9 +64,19 @@ def test_matches_single_process_trainer(ranks, reference, tmp_path, world, confi
 
 
 def test_tp_2_fsdp_2(ranks, reference, tmp_path):
-    results = ranks(4).run(trainer_cases.train, config={"tensor_parallel_degree": 2}, output_dir=str(tmp_path))
+    """Also what the Trainer counts and gathers: with 2 TP ranks per dp rank, every token and
+    every eval row counts once (accelerate's own gather, the control, returns each twice)."""
+    results = ranks(4).run(trainer_cases.train, config={"tensor_parallel_degree": 2}, output_dir=str(tmp_path),
+                           eval_probe=True)
     assert all(r["dp"] == 2 for r in results)
     assert_same_losses(results, reference()["losses"])
+    eval_rows = trainer_cases.TokenRows(rows=trainer_cases.EVAL_ROWS, seed=5).rows
+    for r in results:
+        assert r["tokens_seen"] == 4 * trainer_cases.GLOBAL_BATCH * trainer_cases.SEQ  # 4 steps of the global batch
+        assert torch.equal(r["eval_labels"], eval_rows)  # each row once, in order, the last batch's padding dropped
+        assert r["eval_predictions_rows"] == trainer_cases.EVAL_ROWS
+        assert r["gathered_dp_ranks"] == [0, 1]
+        assert r["gathered_dp_ranks_by_world"] == [0, 0, 1, 1]  # the control: once per TP rank
 
 
 def test_world_rank_sharding_is_caught(ranks, reference, tmp_path):
@@ -116,6 +126,48 @@ def test_resume_at_another_world_size(ranks, tmp_path):
     assert_same_losses(resumed, first[0]["losses"])
 
 
+def test_bf16_and_gradient_checkpointing_map_onto_the_smp_config(tmp_path):
+    """TRL's defaults (bf16=True, gradient_checkpointing=True) become smp's policy and checkpointing."""
+    from smp.config import load_config
+    from smp.integrations.mapping import map_training_arguments
+
+    args = trainer_cases.training_args(str(tmp_path), 1, bf16=True, gradient_checkpointing=True)
+    mapped, cfg, notes = map_training_arguments(args, load_config({}))
+    assert (cfg.mixed_precision.param_dtype, cfg.mixed_precision.reduce_dtype) == ("bfloat16", "float32")
+    assert (cfg.activation_checkpointing.mode, cfg.activation_checkpointing.every_n_layers) == ("full", 1)
+    # The Trainer's own cast and checkpointing are off in the copy it gets; the caller's object is as given.
+    assert (mapped.bf16, mapped.mixed_precision, mapped.gradient_checkpointing, mapped.activation_checkpointing) == (
+        False, "no", False, False)
+    assert args.bf16 and args.gradient_checkpointing and args.mixed_precision == "bf16"
+    assert len(notes) == 2 and "param_dtype: bf16" in notes[0] and "activation_checkpointing: full" in notes[1]
+
+    # The same settings in the smp config: nothing to map, the Trainer's own still off.
+    both = load_config({"mixed_precision": {"param_dtype": "bf16"}, "activation_checkpointing": "full"})
+    mapped, cfg, notes = map_training_arguments(args, both)
+    assert cfg == both and notes == [] and not mapped.bf16 and not mapped.gradient_checkpointing
+
+    every_2 = trainer_cases.training_args(str(tmp_path), 1, activation_checkpointing=True,
+                                          activation_checkpointing_kwargs={"every_n_layers": 2})
+    assert map_training_arguments(every_2, load_config({}))[1].activation_checkpointing.every_n_layers == 2
+
+    plain = trainer_cases.training_args(str(tmp_path), 1)
+    assert map_training_arguments(plain, load_config({})) == (plain, load_config({}), [])
+
+
+def test_sft_trainer_matches_single_process(ranks, tmp_path):
+    """TRL's SFTTrainer on the chat example (its tokenizer, template and data), FSDP over 2 ranks,
+    with TRL's default gradient_checkpointing=True: smp checkpoints the blocks instead of
+    transformers, and the losses equal a single-process SFTTrainer's (transformers' checkpointing)."""
+    pytest.importorskip("trl")
+    expected = trainer_cases.sft_reference(str(tmp_path / "reference"))["losses"]
+    results = ranks(2).run(trainer_cases.sft_train, config={}, output_dir=str(tmp_path / "smp"))
+    assert len(expected) == trainer_cases.SFT_STEPS
+    assert_same_losses(results, expected)
+    for r in results:
+        assert r["checkpointed_blocks"] == 2  # the tiny Llama's two decoder layers
+        assert r["caller_gradient_checkpointing"] and not r["trainer_gradient_checkpointing"]
+
+
 def test_conflicting_settings_are_refused(tmp_path, monkeypatch):
     """Refused in the constructor, before smp.init or any collective: one message naming both."""
     from smp.integrations import SMPTrainer
@@ -129,9 +181,13 @@ def test_conflicting_settings_are_refused(tmp_path, monkeypatch):
         ({}, {"ACCELERATE_USE_FSDP": "true"}, {}, "ACCELERATE_USE_FSDP"),
         # (TrainingArguments(deepspeed=...) itself needs deepspeed installed; the launcher's flag does not)
         ({}, {"ACCELERATE_USE_DEEPSPEED": "true"}, {}, "DeepSpeed"),
-        (dict(bf16=True), {}, {"mixed_precision": {"param_dtype": "bf16"}}, "`bf16=True`"),
+        # bf16 / gradient checkpointing are mapped onto the smp config (test below) unless it sets them otherwise
+        (dict(bf16=True), {}, {"mixed_precision": {"param_dtype": "fp16"}}, "`bf16=True`"),
         (dict(fp16=True), {}, {"mixed_precision": {"param_dtype": "bf16"}}, "mixed_precision.param_dtype='bf16'"),
-        (dict(activation_checkpointing=True), {}, {"activation_checkpointing": "full"}, "`activation_checkpointing`"),
+        (dict(fp16=True), {}, {}, "`fp16=True`"),  # needs the Trainer's loss scaler: never mapped
+        (dict(activation_checkpointing=True), {}, {"activation_checkpointing": "selective"},
+         "`activation_checkpointing`"),
+        (dict(gradient_checkpointing=True), {}, {"activation_checkpointing": "none"}, "`gradient_checkpointing`"),
     ]
     for overrides, env, config, needle in cases:
         args = trainer_cases.training_args(str(tmp_path), 1, **overrides)

@@ -17,6 +17,8 @@ from torch.utils.data import Dataset
 import smp
 
 ROWS, SEQ, GLOBAL_BATCH = 64, 16, 8
+# Eval rows that do not fill the last dp-wide batch: accelerate pads it and drops the padding.
+EVAL_ROWS, EVAL_BATCH = 10, 4
 
 
 class TokenRows(Dataset):
@@ -91,17 +93,20 @@ def _logits(model) -> torch.Tensor:
 
 def train(config: dict, output_dir: str, grad_accum: int = 1, steps: int = 4, lora: bool = False,
           save_steps: int | None = None, resume: str | None = None, export: bool = False,
-          world_rank_data: bool = False) -> dict:
+          world_rank_data: bool = False, eval_probe: bool = False) -> dict:
     """SMPTrainer on this rank. Returns the per-step losses (and, on request, what else the test checks).
 
     `world_rank_data` puts back accelerate's own loader sharding (by world rank), which under
     tensor parallelism feeds the ranks of one TP group different rows: the negative control.
+    `eval_probe` counts input tokens and predicts EVAL_ROWS rows after training (see _eval_probe).
     """
     from smp.integrations import SMPTrainer
 
     overrides = {}
     if save_steps:
         overrides.update(save_strategy="steps", save_steps=save_steps, save_total_limit=2)
+    if eval_probe:
+        overrides.update(include_num_input_tokens_seen="all", per_device_eval_batch_size=EVAL_BATCH)
     with smp.session(config):
         dp = smp.state.dp_size
         model = build_model(lora)
@@ -113,6 +118,8 @@ def train(config: dict, output_dir: str, grad_accum: int = 1, steps: int = 4, lo
         result = {"losses": losses_of(trainer), "dp": dp,
                   "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
                   "optimized": sum(len(g["params"]) for g in trainer.optimizer.param_groups)}
+        if eval_probe:
+            result.update(_eval_probe(trainer))
         if export:
             final = os.path.join(output_dir, "final")
             trainer.save_model(final)
@@ -122,6 +129,23 @@ def train(config: dict, output_dir: str, grad_accum: int = 1, steps: int = 4, lo
         params = {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}  # collective
         result["params"] = params if dist.get_rank() == 0 else None
         return result
+
+
+def _eval_probe(trainer) -> dict:
+    """What the Trainer counted and gathered: tokens seen, and predict()'s label rows (each eval
+    row once, in dataset order, whatever the mesh). The control: accelerate's own gather (over
+    every process) of one row per rank returns one row per process, i.e. each dp rank's row
+    once per TP rank."""
+    from accelerate import Accelerator
+
+    out = trainer.predict(TokenRows(rows=EVAL_ROWS, seed=5))
+    mine = torch.tensor([smp.state.dp_rank])
+    return {
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+        "eval_labels": torch.as_tensor(out.label_ids), "eval_predictions_rows": len(out.predictions),
+        "gathered_dp_ranks": trainer.accelerator.gather_for_metrics(mine).tolist(),
+        "gathered_dp_ranks_by_world": Accelerator.gather_for_metrics(trainer.accelerator, mine).tolist(),
+    }
 
 
 def _reload_diff(folder: str, logits: torch.Tensor, lora: bool) -> float:
@@ -135,3 +159,76 @@ def _reload_diff(folder: str, logits: torch.Tensor, lora: bool) -> float:
     else:
         reloaded = AutoModelForCausalLM.from_pretrained(folder)
     return float((_logits(reloaded) - logits).abs().max())
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL SFTTrainer on examples/data/chat.jsonl, with the example's tokenizer and model.
+
+SFT_STEPS = 3
+
+
+def _sft_example():
+    """examples/finetune_sft.py as a module (its tokenizer and chat template)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "finetune_sft.py")
+    spec = importlib.util.spec_from_file_location("finetune_sft", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sft_parts(output_dir: str, dp: int):
+    """(model, tokenizer, dataset, SFTConfig) as the example builds them. TRL's defaults stay:
+    gradient_checkpointing=True (smp maps it onto its own); bf16 is off because fp32 is what
+    makes the runs comparable to 1e-5."""
+    import json
+
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from smp.models import build_causal_lm, resolve_model_config
+
+    example = _sft_example()
+    tokenizer = example.byte_tokenizer()
+    torch.manual_seed(0)
+    model = build_causal_lm(resolve_model_config("tiny", vocab_size=len(tokenizer), max_position_embeddings=256))
+    with open(os.path.join(os.path.dirname(example.__file__), "data", "chat.jsonl")) as f:
+        dataset = Dataset.from_list([json.loads(line) for line in f if line.strip()])
+    config = SFTConfig(
+        output_dir=output_dir, max_steps=SFT_STEPS, per_device_train_batch_size=GLOBAL_BATCH // dp,
+        learning_rate=1e-2, max_length=256, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+        disable_tqdm=True, dataloader_num_workers=0, use_cpu=True, bf16=False,
+    )
+    return model, tokenizer, dataset, config
+
+
+def sft_reference(output_dir: str) -> dict:
+    """The single-process SFTTrainer on the global batch (run in the test process, no smp)."""
+    from trl import SFTTrainer
+
+    model, tokenizer, dataset, config = _sft_parts(output_dir, 1)
+    assert config.gradient_checkpointing  # TRL's default, checkpointed by transformers here
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    return {"losses": losses_of(trainer)}
+
+
+def sft_train(config: dict, output_dir: str) -> dict:
+    """smp_trainer_class(SFTTrainer) on this rank; TRL's gradient_checkpointing=True becomes smp's."""
+    from trl import SFTTrainer
+
+    from smp.activations.checkpointing import is_checkpointed
+    from smp.integrations import smp_trainer_class
+
+    with smp.session(config):
+        model, tokenizer, dataset, args = _sft_parts(output_dir, smp.state.dp_size)
+        trainer = smp_trainer_class(SFTTrainer)(model=model, args=args, train_dataset=dataset,
+                                                processing_class=tokenizer, smp_config=config)
+        trainer.train()
+        return {
+            "losses": losses_of(trainer),
+            "checkpointed_blocks": sum(is_checkpointed(m) for m in trainer.model.modules()),
+            "trainer_gradient_checkpointing": trainer.args.gradient_checkpointing,
+            "caller_gradient_checkpointing": args.gradient_checkpointing,
+        }

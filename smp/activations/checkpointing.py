@@ -105,12 +105,34 @@ class SaveListPolicy:
 
 
 def _disable_kv_cache(model: nn.Module) -> None:
-    """A Hugging Face model's KV cache would be appended to again by every recompute."""
-    hf_config = getattr(model, "config", None)
-    if getattr(hf_config, "use_cache", False):
+    """A Hugging Face model's KV cache would be appended to again by every recompute.
+
+    Every config the forward may read is turned off, not only the top-level one: submodels keep
+    their own copies (T5's encoder and decoder stacks), composite configs nest per-part configs
+    (`text_config`), and a `generation_config` carries its own `use_cache`.
+    """
+    switched = []
+    for config in _model_configs(model):
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+            switched.append(type(config).__name__)
+    if switched:
         warnings.warn(
-            "smp: activation checkpointing sets model.config.use_cache = False (a KV cache is "
-            "for generation, and recompute would append to it twice)",
+            f"smp: activation checkpointing sets use_cache = False in {', '.join(sorted(set(switched)))} "
+            "(a KV cache is for generation, and recompute would append to it twice)",
             stacklevel=3,
         )
-        hf_config.use_cache = False
+
+
+def _model_configs(model: nn.Module) -> list:
+    """Each distinct config object reachable from the model's modules: `config`,
+    `generation_config`, and the configs nested in those (found by attribute, any depth)."""
+    found: dict[int, object] = {}
+    pending = [getattr(m, attr, None) for m in model.modules() for attr in ("config", "generation_config")]
+    while pending:
+        config = pending.pop()
+        if config is None or id(config) in found or not hasattr(config, "to_dict"):
+            continue  # only config objects (transformers' PretrainedConfig / GenerationConfig)
+        found[id(config)] = config
+        pending.extend(v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, "__dict__"))
+    return list(found.values())

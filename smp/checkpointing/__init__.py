@@ -49,10 +49,14 @@ def save(
     """Save a sharded checkpoint of `model` (and `optimizer`, and `extra`) to `path`. Collective.
 
     `extra` is any picklable object (step, scheduler state, data-loader position), saved per
-    rank together with the rank's RNG states and handed back by `load`. With `async_save` the
+    rank together with the rank's RNG states and handed back by `load`; plain data (tensors,
+    numbers, strings, lists, tuples, dicts) loads anywhere, other objects only with
+    `load(..., allow_pickle=True)`. With `async_save` the
     call returns once the state is copied to host memory; storage writes and the commit happen
     in the background (`wait()` finishes them; the next save or load waits first).
-    `keep_last=n` deletes all but the newest n committed checkpoints beside `path`.
+    `keep_last=n` deletes all but the newest n committed checkpoints of this run beside `path`
+    (never another run's, a symbolic link, or a folder smp did not write). A full disk raises
+    CheckpointError on every rank saying how much was needed; the partial files are removed.
     """
     timeout = runtime.current().config.collective_timeout_seconds if runtime.is_initialized() else None
     sharded.save(

@@ -2,22 +2,58 @@
 
 Protocol (rank 0 does the filesystem steps, after every rank has written its shards):
   1. all ranks write into `<root>/.<name>.partial/` (a leftover from a crashed save is removed);
-  2. rank 0 writes `smp_meta.json`, then the commit marker `smp_commit.json`, fsyncs both;
+     rank 0 first writes `smp_partial.json` there, naming the run that owns it;
+  2. rank 0 writes `smp_meta.json` (with every file's size and digest), then the commit marker
+     `smp_commit.json` (kind, run id, save sequence number), fsyncs both;
   3. rank 0 renames the directory to `<root>/<name>` (atomic on POSIX filesystems).
 `latest(root)` only ever considers directories whose names do not start with "." *and* that
-hold the commit marker, so a save killed at any point leaves the previous checkpoint latest.
-The marker also guards filesystems whose renames are not atomic and copies made by hand.
+hold the commit marker *and* whose listed files are all there with their recorded sizes, so a
+save killed at any point, or a half-deleted or half-copied folder, leaves the previous
+checkpoint latest. The marker also guards filesystems whose renames are not atomic.
+
+What smp may delete in a root it shares with the user and with other runs: only folders it can
+prove it wrote in this run, i.e. whose commit marker (or, for a partial, `smp_partial.json`)
+carries this run's id. A run's id is made by its first save, or taken over from the
+checkpoint `load` resumed from, so a restarted job still cleans up after its earlier attempts.
+Symbolic links (`latest -> step_2`, `best -> ../other_run/step_100`) are never listed, followed,
+or deleted. Order is the save sequence number in the marker (one more than any in the root at
+commit time), never a clock: clocks differ between nodes and jump.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
+import uuid
+
+from smp.checkpointing import digest, metadata
+from smp.errors import CheckpointError
 
 COMMIT_FILE = "smp_commit.json"
+PARTIAL_FILE = "smp_partial.json"
 PARTIAL_SUFFIX = ".partial"
+
+_run_id: str | None = None
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
+
+
+def run_id() -> str:
+    """This process's run id (made on first use; see `adopt_run`)."""
+    global _run_id
+    if _run_id is None:
+        _run_id = uuid.uuid4().hex[:16]
+    return _run_id
+
+
+def adopt_run(saved_run_id: str | None) -> None:
+    """Continue the run that wrote the checkpoint just loaded: keep_last may then delete its
+    older checkpoints and the partial folders its killed saves left."""
+    global _run_id
+    if isinstance(saved_run_id, str) and saved_run_id:
+        _run_id = saved_run_id
 
 
 def partial_dir(path: str) -> str:
@@ -43,16 +79,18 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def prepare(path: str, kind: str = "sharded") -> str:
+def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
     """(rank 0) Clear a stale partial directory of the same name and create a fresh one.
 
     Refuses a target that exists and is not a committed checkpoint of the same kind (or an
     empty folder): overwriting replaces the whole directory, and a user's own files, or a root
     holding many checkpoints, must never be deleted by a save."""
     path = os.path.abspath(path)
+    if os.path.islink(path):
+        raise FileExistsError(f"{path!r} is a symbolic link; save to a real folder (smp never writes through links)")
     if os.path.exists(path):
         replaceable = (os.path.isdir(path) and not os.listdir(path)) or (
-            is_committed(path) and _marker(path)[1] == kind
+            is_committed(path) and _marker(path).get("kind", "sharded") == kind
         )
         if not replaceable:
             raise FileExistsError(
@@ -60,21 +98,45 @@ def prepare(path: str, kind: str = "sharded") -> str:
                 f"its contents. Save to a new folder (e.g. <root>/step_N) or remove it first"
             )
     tmp = partial_dir(path)
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
+    if os.path.lexists(tmp):
+        if os.path.islink(tmp) or not (_partial_owner(tmp) is not None or _is_empty_dir(tmp)):
+            raise FileExistsError(
+                f"{tmp!r} exists and was not made by an smp save; smp writes a save to {path!r} "
+                f"there first. Rename or remove it"
+            )
+        shutil.rmtree(tmp)  # a crashed save's leftover
     os.makedirs(tmp)
+    with open(os.path.join(tmp, PARTIAL_FILE), "w") as f:
+        json.dump({"run_id": run_id}, f)
     return tmp
 
 
-def commit(path: str, kind: str = "sharded") -> None:
+def _is_empty_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.listdir(path)
+
+
+def _partial_owner(path: str) -> str | None:
+    """The run id in a partial folder's `smp_partial.json`; None when it is not smp's."""
+    try:
+        with open(os.path.join(path, PARTIAL_FILE)) as f:
+            owner = json.load(f)["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return owner if isinstance(owner, str) else None
+
+
+def commit(path: str, kind: str = "sharded", run_id: str | None = None) -> None:
     """(rank 0) Mark the partial directory complete, then rename it into place.
 
     `kind` ("sharded" or "hf") goes into the marker: latest() and keep_last only ever pick
-    sharded checkpoints, never an export that happens to sit beside them."""
+    sharded checkpoints, never an export that happens to sit beside them. `run_id` is the
+    run that may later delete it (keep_last); None: no run may."""
     path = os.path.abspath(path)
     tmp = partial_dir(path)
+    marker = {"kind": kind, "run_id": run_id, "sequence": _next_sequence(os.path.dirname(path)),
+              "committed_at_ns": time.time_ns()}  # the time is for people; order uses "sequence"
     with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
-        json.dump({"committed_at_ns": time.time_ns(), "kind": kind}, f)
+        json.dump(marker, f)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
@@ -91,51 +153,83 @@ def commit(path: str, kind: str = "sharded") -> None:
     _fsync_dir(os.path.dirname(path))
 
 
-def _marker(path: str) -> tuple[int, str]:
-    """(commit time, kind) from the marker; an unreadable marker sorts first."""
+def _marker(path: str) -> dict:
+    """The commit marker's fields; {} when it is missing or unreadable."""
     try:
         with open(os.path.join(path, COMMIT_FILE)) as f:
             data = json.load(f)
-        return int(data["committed_at_ns"]), str(data.get("kind", "sharded"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return -1, "sharded"
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
-def committed(root: str) -> list[str]:
-    """Complete sharded checkpoints directly under `root`, oldest commit first."""
+def _order(name: str, marker: dict) -> tuple[int, int, str]:
+    """Save sequence number, then the folder name's trailing number (`step_100`), then the name."""
+    seq = marker.get("sequence")
+    number = _TRAILING_NUMBER.search(name)
+    return (seq if isinstance(seq, int) else -1, int(number.group(1)) if number else -1, name)
+
+
+def _listed(root: str) -> list[tuple[tuple, str, dict]]:
+    """(order, path, marker) of every committed folder directly under `root`: no hidden
+    names, no symbolic links."""
     if not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):
         full = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isdir(full) or not is_committed(full):
+        if name.startswith(".") or os.path.islink(full) or not os.path.isdir(full) or not is_committed(full):
             continue
-        when, kind = _marker(full)
-        if kind == "sharded":
-            found.append((when, name, full))
-    return [full for _, _, full in sorted(found)]
+        marker = _marker(full)
+        found.append((_order(name, marker), full, marker))
+    return sorted(found)
+
+
+def _next_sequence(root: str) -> int:
+    return 1 + max((order[0] for order, _, _ in _listed(root)), default=0)
+
+
+def committed(root: str) -> list[str]:
+    """Committed sharded checkpoints directly under `root`, oldest save first."""
+    return [full for _, full, marker in _listed(root) if marker.get("kind", "sharded") == "sharded"]
+
+
+def complete(path: str) -> bool:
+    """Committed, with readable metadata and every recorded file present at its size."""
+    try:
+        meta = metadata.read(path)
+    except CheckpointError:
+        return False
+    return digest.complete(path, meta.get("files", {}))
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """The most recently committed checkpoint under `root`, or None. Never a partial one."""
-    found = committed(os.fspath(root))
-    return found[-1] if found else None
+    """The most recently saved complete checkpoint under `root`, or None. Never a partial one,
+    never one with a missing or truncated file, never a symbolic link."""
+    for path in reversed(committed(os.fspath(root))):
+        if complete(path):
+            return path
+    return None
 
 
-def keep_last(root: str, n: int, protect: str) -> list[str]:
-    """(rank 0) Delete all but the newest `n` committed checkpoints; never `protect`.
+def keep_last(root: str, n: int, protect: str, run_id: str) -> list[str]:
+    """(rank 0) Delete all but the newest `n` committed checkpoints of run `run_id`; never
+    `protect`, never another run's checkpoint, a link, or a folder smp did not write.
 
-    Also removes partial directories that killed saves left behind: saves run one at a time
-    (each waits for the previous async one), so at commit time no other partial is live.
+    Also removes partial directories that this run's killed saves left behind: saves run one at
+    a time (each waits for the previous async one), so at commit time no other partial is live.
     """
-    found = committed(root)
-    doomed = [p for p in found[: max(len(found) - n, 0)] if os.path.abspath(p) != os.path.abspath(protect)]
+    ours = [full for _, full, marker in _listed(root)
+            if marker.get("kind", "sharded") == "sharded" and marker.get("run_id") == run_id]
+    doomed = [p for p in ours[: max(len(ours) - n, 0)] if os.path.abspath(p) != os.path.abspath(protect)]
     for p in doomed:
         # Un-commit first: a crash mid-delete leaves a directory latest() already ignores.
         os.remove(os.path.join(p, COMMIT_FILE))
         shutil.rmtree(p)
     for name in os.listdir(root):
-        if name.startswith(".") and name.endswith(PARTIAL_SUFFIX):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            doomed.append(os.path.join(root, name))
+        full = os.path.join(root, name)
+        if (name.startswith(".") and name.endswith(PARTIAL_SUFFIX) and not os.path.islink(full)
+                and _partial_owner(full) == run_id):
+            shutil.rmtree(full, ignore_errors=True)
+            doomed.append(full)
     return doomed

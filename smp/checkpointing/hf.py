@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -130,30 +132,132 @@ def _clean(name: str) -> str:
     return name
 
 
-def _tied_aliases(model: nn.Module, present: set[str]) -> frozenset[str]:
-    """Names absent from the file whose parameter is shared with a name that is present (tied
-    weights: HF writes `lm_head.weight` or `embed_tokens.weight`, not both). Decided from the
-    module structure, so every rank reaches the same answer whatever its shard holds."""
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter used under two or more names (tied weights), in model order.
+    Decided from the module structure, so every rank reaches the same answer whatever its
+    shard holds."""
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(_clean(name))
-    return frozenset(
-        n for names in names_of.values() if any(x in present for x in names) for n in names if n not in present
+    return [names for names in names_of.values() if len(names) > 1]
+
+
+def _from_pretrained_rules(model: nn.Module) -> tuple[str, re.Pattern | None, re.Pattern | None, set[str]]:
+    """What `from_pretrained` forgives, for this model: its base-model prefix, the patterns of
+    checkpoint keys it ignores when unexpected (the class's `_keys_to_ignore_on_load_unexpected`,
+    plus the legacy `rotary_emb.inv_freq` / `position_ids` buffers it drops for models that now
+    hold them as non-persistent buffers) and when missing (`_keys_to_ignore_on_load_missing`),
+    and the names of the model's non-persistent buffers (never in a state dict, often in old files)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+    buffers = [_clean(n) for n, _ in model.named_buffers()]
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
+        unexpected.add(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):
+        unexpected.add(r"(^|\.)position_ids$")
+    non_persistent = {
+        _clean(f"{module_name}.{name}" if module_name else name)
+        for module_name, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+    }
+
+    def compiled(patterns: set[str]) -> re.Pattern | None:
+        return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
+
+    return prefix, compiled(unexpected), compiled(missing), non_persistent
+
+
+def _model_key(key: str, model_keys: set[str], prefix: str) -> str | None:
+    """The model's name for checkpoint key `key`: itself, or with the base-model prefix
+    stripped (a `bert.`-prefixed file into a base BertModel) or added (the reverse), as
+    from_pretrained does; None when nothing matches."""
+    if key in model_keys:
+        return key
+    if prefix:
+        if key.startswith(prefix + ".") and key[len(prefix) + 1:] in model_keys:
+            return key[len(prefix) + 1:]
+        if f"{prefix}.{key}" in model_keys:
+            return f"{prefix}.{key}"
+    return None
+
+
+def _plan_hf_load(
+    saved: dict[str, list[int]], model: nn.Module, model_shapes: dict[str, list[int]], source: str
+) -> tuple[dict[str, str], list[str]]:
+    """(checkpoint key -> model key for each tensor to read, what was forgiven, for the log).
+
+    Follows from_pretrained's rules (`_from_pretrained_rules`); a tied parameter is read once,
+    from the first of its names the file holds. Raises CheckpointError for anything else that
+    does not match: missing or unexpected keys, shape mismatches.
+    """
+    prefix, ignore_unexpected, ignore_missing, non_persistent = _from_pretrained_rules(model)
+    model_keys = set(model_shapes)
+    mapping: dict[str, str] = {}
+    present: set[str] = set()
+    ignored: list[str] = []
+    unexpected: dict[str, list[int]] = {}
+    for key in saved:
+        target = _model_key(key, model_keys, prefix)
+        if target is None:
+            target = _model_key(key, non_persistent, prefix)
+            if target is not None or (ignore_unexpected and ignore_unexpected.search(key)):
+                ignored.append(key)
+            else:
+                unexpected[key] = saved[key]
+        elif target in present:  # the same tensor under its prefixed and its plain name
+            ignored.append(key)
+        else:
+            mapping[key] = target
+            present.add(target)
+    tied_alias: set[str] = set()
+    for names in _tied_groups(model):
+        in_file = [n for n in names if n in present]
+        if not in_file:
+            continue  # none of its names in the file: reported missing below
+        # A tied parameter is one tensor: read it from the first name the file holds; the
+        # other names (absent, or a second copy of the same values) load nothing.
+        tied_alias.update(n for n in names if n != in_file[0])
+        for duplicate in in_file[1:]:
+            key = next(k for k, v in mapping.items() if v == duplicate)
+            del mapping[key]
+            ignored.append(key)
+    absent = model_keys - present - tied_alias
+    forgiven_missing = {k for k in absent if ignore_missing is not None and ignore_missing.search(k)}
+    # A base-model checkpoint (every key found under the prefix) into a model with a task head:
+    # from_pretrained keeps the head's fresh init, so its keys are not "missing" (the fine-tuning
+    # start: bert-base into BertForSequenceClassification).
+    if prefix and mapping and all(v == f"{prefix}.{k}" for k, v in mapping.items()):
+        forgiven_missing |= {k for k in absent if not k.startswith(prefix + ".")}
+    ignored.extend(sorted(f"{k} (missing, keeps its init)" for k in forgiven_missing))
+    metadata.check_compatible(
+        {**{mapping[k]: v for k, v in saved.items() if k in mapping}, **unexpected},
+        model_shapes, source, frozenset(tied_alias | forgiven_missing),
     )
+    return mapping, ignored
 
 
 def load_hf(hf_dir: str | os.PathLike, model: nn.Module) -> None:
     """Stream a local HF safetensors checkpoint into an already transformed model. Collective.
 
-    Every rank reads only its own slices. Tensors are cast to the model's dtypes.
+    Every rank reads only its own slices. Tensors are cast to the model's dtypes. Loads what
+    `from_pretrained` loads for the same model: legacy and ignorable keys are skipped (named in
+    one warning on rank 0), base-model prefixes are added or stripped, a tied weight may be in
+    the file once or twice; any other mismatch raises CheckpointError.
     """
     wait()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
     _check_hf_dir(hf_dir)
     state = get_model_state_dict(model)
-    saved = _hf_shapes(hf_dir)
-    tied = _tied_aliases(model, set(saved))
-    metadata.check_compatible(saved, metadata.tensor_shapes(state), f"Hugging Face checkpoint {hf_dir!r}", tied)
-    to_read = {k: v for k, v in state.items() if k not in tied}
+    source = f"Hugging Face checkpoint {hf_dir!r}"
+    mapping, ignored = _plan_hf_load(_hf_shapes(hf_dir), model, metadata.tensor_shapes(state), source)
+    if ignored and _rank() == 0:
+        warnings.warn(
+            f"smp: load_hf {hf_dir!r} ignored {len(ignored)} key(s) that from_pretrained also ignores "
+            f"(legacy buffers, ignorable or duplicate tied keys): {', '.join(ignored)}",
+            stacklevel=2,
+        )
+    # Keyed by the file's names, holding the model's tensors: DCP writes straight into them.
+    to_read = {key: state[target] for key, target in mapping.items()}
     dcp.load(to_read, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=not _dist())
     set_model_state_dict(model, state)

@@ -1,8 +1,10 @@
 """What a checkpoint says about itself (`smp_meta.json`), and the checks that read it back.
 
-Every checkpoint records who wrote it (smp and torch versions, world size, parallel degrees)
-and what it holds (each model parameter's name and global shape, plus a fingerprint of
-them). `load` compares that list with the model it is given *before* any collective runs, so
+Every checkpoint records who wrote it (smp and torch versions, world size, parallel degrees,
+run id) and what it holds (each model parameter's name and global shape, plus a fingerprint of
+them; the optimizer's class, state-shaping options and number of parameter groups; for
+sharded checkpoints, every file's size and digest). `read` treats the file as untrusted: a
+damaged or hand-edited one is a CheckpointError, never a KeyError deep inside load. `load` compares that list with the model it is given *before* any collective runs, so
 a wrong checkpoint fails on every rank with the same readable message instead of a hang or a
 stack of DCP planner errors.
 """
@@ -22,7 +24,13 @@ from smp.errors import CheckpointError
 from smp.mesh import ParallelDims
 
 META_FILE = "smp_meta.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: "files" (sizes and digests) and the optimizer's options
+# The fields load relies on, with their types; a file without them is damaged, not a checkpoint.
+_REQUIRED = {"format": str, "format_version": int, "kind": str, "world_size": int,
+             "has_optimizer": bool, "params": dict}
+# Optimizer options that choose an implementation, not the result or the state kept: a run
+# may resume on other hardware with another choice.
+_IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 _MAX_LISTED = 20  # longer key lists are cut, with a count of the rest
 
 
@@ -70,8 +78,91 @@ def write(directory: str, meta: Mapping[str, Any]) -> None:
 
 
 def read(directory: str) -> dict[str, Any]:
-    with open(os.path.join(directory, META_FILE)) as f:
-        return json.load(f)
+    """`smp_meta.json`, checked field by field; CheckpointError names what is wrong."""
+    file = os.path.join(directory, META_FILE)
+    try:
+        with open(file, "rb") as f:
+            meta = json.loads(f.read().decode())
+    except (OSError, ValueError) as e:  # missing, unreadable, empty, not UTF-8, not JSON
+        raise CheckpointError(f"{file!r} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
+                              f"damaged: load another one (latest(root) skips damaged ones)") from None
+    wrong = _schema_problems(meta)
+    if wrong:
+        raise CheckpointError(f"{file!r} is damaged ({'; '.join(wrong)}); load another checkpoint "
+                              f"(latest(root) skips damaged ones)")
+    return meta
+
+
+def _schema_problems(meta: Any) -> list[str]:
+    if not isinstance(meta, dict):
+        return [f"it holds a JSON {type(meta).__name__}, not an object"]
+    wrong = [f"{key!r} is missing" if key not in meta else f"{key!r} is not a {kind.__name__}"
+             for key, kind in _REQUIRED.items()
+             if not isinstance(meta.get(key), kind) or (kind is int and isinstance(meta.get(key), bool))]
+    if isinstance(meta.get("format"), str) and meta["format"] != "smp-checkpoint":
+        wrong.append(f"format is {meta['format']!r}")
+    if isinstance(meta.get("params"), dict) and not all(
+            isinstance(k, str) and isinstance(v, list) and all(type(d) is int for d in v)
+            for k, v in meta["params"].items()):
+        wrong.append("'params' is not a map of names to shapes")
+    version = meta.get("format_version")
+    if meta.get("kind") == "sharded" and (not isinstance(version, int) or version >= 2):
+        files = meta.get("files")
+        if not isinstance(files, dict) or not files:
+            wrong.append("'files' (the file list with digests) is missing")
+        elif not all(isinstance(e, dict) and type(e.get("bytes")) is int and isinstance(e.get("digest"), str)
+                     for e in files.values()):
+            wrong.append("'files' entries are not {bytes, digest}")
+        if not isinstance(meta.get("optimizer_options"), (dict, type(None))):
+            wrong.append("'optimizer_options' is not an object")
+    return wrong
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What `check_optimizer` compares on load: class, state-shaping options, group count.
+
+    Options are the optimizer's boolean and string defaults (amsgrad, maximize, nesterov,
+    decoupled_weight_decay, ...) except implementation switches. Numeric hyperparameters (lr,
+    betas, eps, weight_decay) are not compared: load restores the saved values, as torch's
+    Optimizer.load_state_dict does, and a run may change them after loading."""
+    if optimizer is None:
+        return {"optimizer_class": None, "optimizer_options": None, "optimizer_param_groups": None}
+    options = {k: v for k, v in sorted(optimizer.defaults.items())
+               if isinstance(v, (bool, str)) and k not in _IMPLEMENTATION_OPTIONS}
+    return {"optimizer_class": type(optimizer).__name__, "optimizer_options": options,
+            "optimizer_param_groups": len(optimizer.param_groups)}
+
+
+def check_optimizer(meta: Mapping[str, Any], optimizer: torch.optim.Optimizer | None, source: str) -> None:
+    """Raise CheckpointError when `optimizer` cannot take the saved optimizer state."""
+    if optimizer is None:
+        return
+    if not meta.get("has_optimizer"):
+        raise CheckpointError(
+            f"{source} holds no optimizer state (saved without one); "
+            f"call load(path, model) and start the optimizer fresh"
+        )
+    saved, running = meta.get("optimizer_class"), type(optimizer).__name__
+    if saved and saved != running:
+        raise CheckpointError(
+            f"{source} holds {saved} optimizer state, but a {running} optimizer was passed; build "
+            f"the optimizer the run was saved with, or call load(path, model) and start the new "
+            f"optimizer fresh"
+        )
+    now = describe_optimizer(optimizer)
+    saved_options = meta.get("optimizer_options") or {}
+    differ = [f"{k}={saved_options[k]!r} in the checkpoint, {now['optimizer_options'][k]!r} here"
+              for k in sorted(saved_options) if k in now["optimizer_options"]
+              and saved_options[k] != now["optimizer_options"][k]]
+    groups = meta.get("optimizer_param_groups")
+    if isinstance(groups, int) and groups != now["optimizer_param_groups"]:
+        differ.append(f"{groups} parameter groups in the checkpoint, {now['optimizer_param_groups']} here")
+    if differ:
+        raise CheckpointError(
+            f"{source} was saved with an optimizer built differently: " + "; ".join(differ)
+            + f". Build the {running} with the options it was saved with (or call load(path, "
+            f"model) and start this optimizer fresh)"
+        )
 
 
 def _listed(names: list[str]) -> str:

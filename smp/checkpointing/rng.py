@@ -1,7 +1,8 @@
 """Per-rank random-number-generator state: Python, NumPy, torch CPU and every CUDA device.
 
 Each rank draws its own dropout masks (and data shuffles, if any), so exact resume needs each
-rank's own generators back, not rank 0's.
+rank's own generators back, not rank 0's. The states are plain values (ints, lists, tensors),
+so they load with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ def capture() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
     except ImportError:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -32,7 +34,8 @@ def restore(state: dict[str, Any]) -> None:
         try:
             import numpy as np
 
-            np.random.set_state(state["numpy"])
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
         except ImportError:
             pass
     if "torch_cuda" in state and torch.cuda.is_available():

@@ -21,7 +21,8 @@ def check_training_arguments(args: Any, cfg: SMPConfig, *, is_peft: bool, has_mo
     """Raise ConfigError for TrainingArguments (or launcher settings) that smp replaces.
 
     smp owns sharding, tensor parallelism, mixed precision and activation checkpointing; a second
-    owner of any of them would wrap the model twice or silently be ignored.
+    owner of any of them would wrap the model twice or silently be ignored. (`bf16`, `fp16` and
+    `gradient_checkpointing` are mapped onto the smp config, or refused, by mapping.py first.)
     """
     if args is None:
         return
@@ -45,21 +46,6 @@ def check_training_arguments(args: Any, cfg: SMPConfig, *, is_peft: bool, has_mo
         raise ConfigError(
             "TrainingArguments `parallelism_config` (accelerate's TP/CP mesh) and smp_config are both set: "
             "set tensor_parallel_degree / hybrid_shard_degree in the smp config instead"
-        )
-    policy = cfg.mixed_precision.param_dtype
-    for flag in ("fp16", "bf16"):
-        if getattr(args, flag, False):
-            smp_side = (f"the smp config's mixed_precision.param_dtype={policy!r}" if policy
-                        else "smp (which takes mixed precision from its config only)")
-            raise ConfigError(
-                f"TrainingArguments `{flag}=True` and {smp_side} both set mixed precision: drop `{flag}` and set "
-                f"mixed_precision.param_dtype ('bf16' or 'fp16') in the smp config; FSDP2 then casts per unit"
-            )
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-        raise ConfigError(
-            "TrainingArguments `activation_checkpointing` (transformers' own) and smp_config are both given: "
-            "set `activation_checkpointing: full` (or selective) in the smp config instead, which recomputes "
-            "each block inside its FSDP unit"
         )
     if args.load_best_model_at_end:
         raise ConfigError(

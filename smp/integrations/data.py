@@ -1,16 +1,27 @@
-"""Data loaders sharded by smp's data-parallel rank, not by the world rank.
+"""Data loaders sharded by smp's data-parallel rank, not by the world rank; eval outputs gathered
+over the data-parallel ranks only.
 
 accelerate gives process i of n every n-th batch. Under tensor parallelism the ranks of one TP
 group must see the same batch, so the shard index is smp.state.dp_rank and the shard count
 smp.state.dp_size. We call accelerate's own `prepare_data_loader` with those two numbers, so
 the seedable sampler, epoch handling, `skip_first_batches` on resume and device placement stay
 accelerate's; only the sharding changes, and it happens once.
+
+Evaluation gathers what each rank predicted. Gathered over all ranks, every row would come once
+per TP rank (the ranks of a TP group predicted the same rows); gathered over the dp group of
+this rank's TP index, each row comes once, in dp-rank order, as the loader split them.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import recursively_apply
 from torch.utils.data import DataLoader
 
 
@@ -42,3 +53,39 @@ def prepare_data_loader_by_dp(
     )
     accelerator._dataloaders.append(prepared)  # as Accelerator.prepare_data_loader does: free_memory() drops it
     return prepared
+
+
+def _all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The group's tensors concatenated along dim 0 (a 0-d tensor counts as one row), as accelerate's gather."""
+    tensor = tensor.reshape(1) if tensor.ndim == 0 else tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat(parts, dim=0)
+
+
+def gather_for_metrics_by_dp(
+    accelerator: Accelerator, input_data: Any, use_gather_object: bool = False, *, group: dist.ProcessGroup
+) -> Any:
+    """`accelerator.gather_for_metrics` over `group` (this rank's data-parallel ranks) instead of
+    over every process: tensors (nested) are concatenated along dim 0, other objects (lists) are
+    joined; the padding rows of the last batch are dropped as accelerate drops them."""
+    try:
+        recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        all_tensors = True
+    except TypeError:
+        all_tensors = False
+    as_objects = use_gather_object or not all_tensors
+    if as_objects:
+        objects = [None] * dist.get_world_size(group)
+        dist.all_gather_object(objects, input_data, group=group)
+        data = [x for part in objects for x in part]
+    else:
+        data = recursively_apply(functools.partial(_all_gather_rows, group=group), input_data)
+    state = accelerator.gradient_state
+    # The loader was sharded over the dp ranks (prepare_data_loader_by_dp), so its remainder
+    # counts rows of the dp-wide last batch: exactly what this gather returns.
+    if state.end_of_dataloader and state.remainder > 0:
+        if as_objects:
+            return data[: state.remainder]
+        return recursively_apply(lambda t: t[: state.remainder], data)
+    return data

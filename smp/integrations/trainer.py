@@ -7,8 +7,10 @@
 
 The seam (docs/trainer.md says why): the Trainer delegates parallelism to its accelerate
 `Accelerator`; here smp takes over exactly those delegations and nothing else:
-  model      smp.transform before accelerate sees it, marked as prepared (no DDP wrap)
-  data       accelerate's prepare_data_loader, sharded by smp's dp rank / dp size (data.py)
+  model      smp.transform before accelerate sees it, marked as prepared (no DDP wrap); the
+             Trainer's bf16 / gradient_checkpointing become smp's policy / checkpointing (mapping.py)
+  data       accelerate's prepare_data_loader, sharded by smp's dp rank / dp size (data.py);
+             eval outputs gathered over the dp ranks only
   no_sync    smp.no_sync for the micro-steps of gradient accumulation
   clipping   smp.clip_grad_norm_ (global norm over shards and TP ranks)
   checkpoints smp.checkpointing.save / load (model, optimizer, scheduler, RNG, trainer state)
@@ -21,10 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import random
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -33,11 +33,14 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import smp
+from smp.checkpointing import rng
 from smp.config import ConfigSource, SMPConfig, load_config
 from smp.integrations.checks import check_training_arguments
-from smp.integrations.data import prepare_data_loader_by_dp
+from smp.integrations.data import gather_for_metrics_by_dp, prepare_data_loader_by_dp
+from smp.integrations.mapping import map_training_arguments
 from smp.integrations.peft import is_peft_model, save_adapter
 from smp.integrations.saving import export_hf_folder
+from smp.transform import apply_parallelism
 
 
 def _resolve_config(source: ConfigSource) -> SMPConfig:
@@ -48,19 +51,14 @@ def _resolve_config(source: ConfigSource) -> SMPConfig:
     return load_config(source)
 
 
-def _capture_rng() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def _is_rank0() -> bool:
+    """Rank 0 of the launch, before smp.init (torchrun's RANK; a world of one without it)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
-def _restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _report_mapped(mapped: list[str]) -> None:
+    if mapped and _is_rank0():
+        print(f"smp: TrainingArguments mapped onto the smp config: {'; '.join(mapped)}", flush=True)
 
 
 def _unwrap_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
@@ -75,9 +73,17 @@ class SMPTrainerMixin:
 
     def __init__(self, *args: Any, smp_config: ConfigSource = None, **kwargs: Any):
         self._smp_config = _resolve_config(smp_config)
-        # Refused before any collective: the Trainer's own setup may run some (dataset
+        # Mapped or refused before any collective: the Trainer's own setup may run some (dataset
         # preparation under main_process_first, accelerate's state).
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # The Trainer (and TRL, which enables gradient checkpointing on PEFT models itself) gets
+        # the arguments with bf16 / gradient checkpointing off where smp takes them over.
+        training_args, self._smp_model_config, mapped = map_training_arguments(training_args, self._smp_config)
+        if "args" in kwargs:
+            kwargs["args"] = training_args
+        elif len(args) > 1:
+            args = (args[0], training_args, *args[2:])
+        _report_mapped(mapped)
         model = kwargs.get("model", args[0] if args else None)
         check_training_arguments(
             training_args, self._smp_config,
@@ -92,6 +98,10 @@ class SMPTrainerMixin:
     # in PEFT) and before anything places, wraps or inspects it for training.
 
     def create_accelerator_and_postprocess(self) -> None:
+        # Arguments a Trainer subclass built itself (TRL's own defaults when none were given);
+        # arguments mapped in __init__ come back unchanged.
+        self.args, self._smp_model_config, mapped = map_training_arguments(self.args, self._smp_model_config)
+        _report_mapped(mapped)
         check_training_arguments(self.args, self._smp_config, is_peft=is_peft_model(self.model), has_model_init=False)
         smp.init(self._smp_config)  # a no-op when smp.init already ran with this config
         if self.model is not None:
@@ -104,11 +114,22 @@ class SMPTrainerMixin:
             prepare_data_loader_by_dp, accelerator, dp_rank=smp.state.dp_rank, dp_size=smp.state.dp_size
         )
         accelerator.no_sync = smp.no_sync
+        if smp.state.dp_size < smp.state.world_size:  # ranks beside the dp ones (TP) hold the same rows
+            accelerator.gather_for_metrics = functools.partial(
+                gather_for_metrics_by_dp, accelerator, group=smp.state.dp_mesh.get_group()
+            )
+            # The Trainer took the bound method already (and resets to the attribute after each eval).
+            self.gather_function = functools.partial(
+                accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+            )
 
-    @staticmethod
-    def _smp_transform(model: nn.Module) -> nn.Module:
+    def _smp_transform(self, model: nn.Module) -> nn.Module:
         if not isinstance(model, FSDPModule):  # a model the user already transformed is not wrapped again
-            model = smp.transform(model)  # in place: the Trainer's own reference is this module too
+            # smp.transform's recipe with the mapped config (bf16 / gradient checkpointing from the
+            # TrainingArguments); smp.init ran with the config as given. In place: the Trainer's
+            # own reference is this module too.
+            st = smp.state
+            model = apply_parallelism(model, self._smp_model_config, st.dims, st.mesh, st.device)
         # accelerate's guard against wrapping twice: prepare() hands the model back as it is
         # (no DDP around the DTensor parameters, no autocast; smp's policy casts).
         model._is_accelerate_prepared = True
@@ -117,6 +138,23 @@ class SMPTrainerMixin:
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         # smp.transform placed every shard; .to() on FSDP2 (or CPU-offloaded) parameters fails.
         pass
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            # No backward follows the eval forwards, so the units smp keeps gathered after
+            # forward (the root) would stay unsharded, their full parameters registered in place
+            # of the DTensor shards that checkpoints and the optimizer hold. Local, no collective.
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        # The Trainer sums the count over every process; the ranks of a TP group read the same rows.
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // smp.state.tp_size
 
     def get_tp_size(self) -> int:
         # The Trainer divides by it: global batch = world / tp ranks, and the loss scale of
@@ -160,7 +198,9 @@ class SMPTrainerMixin:
             # epoch (seeded sampler + skip_first_batches), so a resumed run reads the same rows.
             "data_position": {"global_step": self.state.global_step, "epoch": self.state.epoch,
                               "samples_seen": self.state.global_step * self.get_total_train_batch_size(self.args)},
-            "rng": _capture_rng(),  # per rank: smp saves `extra` rank by rank
+            # Per rank (smp saves `extra` rank by rank), as plain values: smp reads `extra` with
+            # torch.load(weights_only=True).
+            "rng": rng.capture(),
             "world_size": smp.state.world_size,
         }
         limit = self.args.save_total_limit
@@ -218,7 +258,7 @@ class SMPTrainerMixin:
         extra = self._smp_resume_extra
         if checkpoint is None or extra is None or extra["world_size"] != smp.state.world_size:
             return
-        _restore_rng(extra["rng"])
+        rng.restore(extra["rng"])
 
     # ------------------------------------------------------------------------------------------
     # The final model

@@ -47,5 +47,31 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
         # Two activation all-reduces per layer forward (attention, MLP output), two in backward.
         act = micro_batch * seq_len * hidden * dtype_bytes(mp.param_dtype, torch.float32)
         out["tensor_parallel"] = grad_accum * layers * 4 * 2 * (dims.tp - 1) * act // dims.tp
+    if dims.cp > 1 and layers:
+        # K/V blocks (and their gradients) between the cp ranks, per layer (smp/context_parallel/cost.py).
+        from smp.context_parallel.cost import bytes_per_step
+
+        out["context_parallel"] = bytes_per_step(
+            config.context_parallel.algorithm, dims.cp, micro_batch, seq_len, _kv_dim(model, hidden), layers,
+            recompute=config.activation_checkpointing.mode == "full", grad_accum=grad_accum,
+        )
+    if dims.ep > 1:
+        # Token choices to their experts' ranks and back, per MoE layer (smp/expert_parallel/cost.py).
+        from smp.expert_parallel.cost import planned_all_to_all_bytes
+
+        out["expert_all_to_all"] = planned_all_to_all_bytes(
+            model, dims.ep, micro_batch * seq_len, hidden, dtype_bytes(mp.param_dtype, torch.float32),
+            recompute=config.activation_checkpointing.mode != "none", grad_accum=grad_accum,
+        )
     out["total"] = sum(out.values())
     return out
+
+
+def _kv_dim(model: nn.Module, hidden: int) -> int:
+    """Key (= value) width per token: kv heads x head dim of a HF config, else the hidden size."""
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", 0)
+    if not heads:
+        return hidden
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    return (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim

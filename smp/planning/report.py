@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from smp.config import ConfigError, ConfigSource, load_config
+from smp.context_parallel import deactivate as deactivate_context_parallel
+from smp.expert_parallel.cost import expert_params
 from smp.mesh import ParallelDims
 from smp.models import build_causal_lm, resolve_model_config
 from smp.planning.activations import activation_bytes, saved_activation_bytes
@@ -109,9 +111,11 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         # Activations first: one forward of the still unsharded model at this rank's micro-batch.
         blocks = find_blocks(meta_model, cfg.shard_modules)
         compute = p_bytes if cfg.mixed_precision.param_dtype else None
-        outside, per_block = saved_activation_bytes(meta_model, micro_batch, seq_len, blocks, compute)
+        # Under context parallel a rank holds seq_len / cp tokens of each sequence.
+        local_seq = seq_len // dims.cp
+        outside, per_block = saved_activation_bytes(meta_model, micro_batch, local_seq, blocks, compute)
         hidden = getattr(model_cfg, "hidden_size", 0)
-        block_input = micro_batch * seq_len * hidden * (compute or 4)
+        block_input = micro_batch * local_seq * hidden * (compute or 4)
         flops = model_flops(meta_model)
         total_params = sum(p.numel() for p in meta_model.parameters())
         # Then the real recipe, left on meta.
@@ -122,8 +126,13 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
             layers=len(per_block), grad_accum=grad_accum,
         )
         transient = transient_bytes(meta_model, p_bytes, g_bytes)
+        expert_local, expert_total = expert_params(meta_model)
+        deactivate_context_parallel()  # its process group is the fake world's, about to go
 
     act_device, act_host, notes = activation_bytes(cfg, outside, per_block, block_input, dims.tp)
+    if expert_total:
+        notes.append(f"expert parallel {dims.ep}: this rank holds {expert_local:,} of {expert_total:,} expert "
+                     f"parameters (1/{dims.ep} of the experts, FSDP-sharded over the other {dims.dp // dims.ep})")
     params, grads = sizes["padded"], sizes["padded"]
     opt = optimizer_state_bytes(optimizer, sizes)
     host = act_host

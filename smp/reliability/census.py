@@ -4,12 +4,14 @@ A collective that fails or times out says only that some peer did not take part.
 saw it asks every other rank, through the rendezvous store, where its main thread is; each
 live rank's watchdog (smp/reliability/guard.py) answers with its step and the innermost frame
 of user code. A rank that never answers died without a Python error (killed, out of memory,
-segfault); a rank that answers from outside torch.distributed is stuck elsewhere (a hang).
+segfault) or is frozen (SIGSTOP, a debugger): on the same host the census tells which from the
+process's state, which every watchdog publishes (`publish_process`) when it starts.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -21,6 +23,32 @@ CENSUS_SECONDS = 3.0
 # Store key of the request (its value: the asking rank); answers go to "census/<rank>".
 CENSUS_KEY = "census"
 NOT_IN_COLLECTIVE = "outside torch.distributed"
+# Store key of a rank's "<hostname> <pid>", for telling a dead process from a frozen one.
+PROCESS_KEY = "process"
+
+
+def publish_process(store: dist.Store, rank: int) -> None:
+    store.set(f"{PROCESS_KEY}/{rank}", f"{socket.gethostname()} {os.getpid()}")
+
+
+def local_pid(store: dist.Store, rank: int) -> int | None:
+    """The pid of `rank`'s process when it runs on this host (else None: not published, or
+    another host, whose processes this one cannot see)."""
+    key = f"{PROCESS_KEY}/{rank}"
+    if not store.check([key]):
+        return None
+    host, _, pid = store.get(key).decode().partition(" ")
+    return int(pid) if host == socket.gethostname() else None
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of a process of this host from /proc (R, S, D, T, t, Z, ...), or
+    None when it is gone (or /proc cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def take_census(store: dist.Store, rank: int, world: int, step: int) -> tuple[str, int]:
@@ -36,14 +64,21 @@ def take_census(store: dist.Store, rank: int, world: int, step: int) -> tuple[st
             if r not in answers and store.check([key]):
                 answers[r] = store.get(key).decode()
         time.sleep(0.05)
-    gone = [r for r in others if r not in answers]
+    silent = [r for r in others if r not in answers]
     stuck = {r: a for r, a in answers.items() if NOT_IN_COLLECTIVE in a}
+    pids = {r: local_pid(store, r) for r in silent}
+    frozen = {r: pid for r, pid in pids.items() if pid is not None and process_state(pid) in ("T", "t")}
+    gone = [r for r in silent if r not in frozen]
     lines = []
     if gone:
+        elsewhere = " (or, on another host, froze)" if any(pids[r] is None for r in gone) else ""
         lines.append(
             f"rank(s) {gone} did not answer: they died without a Python error (killed, out of "
-            f"memory, segfault, os._exit) around step {step}; the launcher's log has their exit status"
+            f"memory, segfault, os._exit){elsewhere} around step {step}; the launcher's log has their exit status"
         )
+    for r, pid in sorted(frozen.items()):
+        lines.append(f"rank {r} is frozen at step {step}: its process {pid} is stopped (SIGSTOP, "
+                     f"Ctrl-Z or a debugger), not dead")
     for r, where in sorted(stuck.items()):
         lines.append(f"rank {r} is not in a collective (hung?): {where}")
     if not lines:

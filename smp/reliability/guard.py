@@ -11,8 +11,12 @@ collective waits, so smp propagates failures through the rendezvous store instea
 - a daemon watchdog thread on every rank polls for that record and, when it appears, prints
   "rank K stopping at step S: <record>" and exits the process with `PEER_FAILURE_EXIT_CODE`;
 - when a collective fails or times out and no rank has reported, the rank that saw it takes a
-  census (smp/reliability/census.py), so that the record names the ranks that are gone or
-  stuck outside a collective rather than the innocent rank that noticed.
+  census (smp/reliability/census.py), so that the record names the ranks that are gone, frozen
+  or stuck outside a collective rather than the innocent rank that noticed;
+- when the store itself is gone, its host (rank 0, or the torchrun agent) died: a rank whose
+  collective failed then says so in one line and exits as a stopped rank, blaming nobody else;
+- stopped ranks exit after the failing rank, so that a launcher that names the first process
+  to exit (torchrun's "Root Cause") names the failing one.
 
 The cost is one store read per rank every `POLL_SECONDS` (no per-step traffic).
 """
@@ -31,7 +35,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from smp.errors import CheckpointError, ConfigError, PeerFailure, PlanError
-from smp.reliability.census import answer_census, take_census
+from smp.reliability.census import answer_census, local_pid, process_state, publish_process, take_census
 from smp.reliability.finite import NonFiniteGradientError
 
 logger = logging.getLogger("smp.reliability")
@@ -44,6 +48,12 @@ POLL_SECONDS = 0.5
 # How long the failing rank waits for every other rank to acknowledge its record before
 # re-raising (a rank that is dead never answers; the wait is bounded).
 ACK_TIMEOUT_SECONDS = 5.0
+# How long a stopped rank waits, at most, for the failing rank to exit first. torchrun names as
+# "Root Cause" the rank whose failure it saw first (it polls every 0.1 s); a stopped rank that
+# exited before the failing one would be named instead.
+EXIT_ORDER_SECONDS = ACK_TIMEOUT_SECONDS + 5.0
+# After the failing rank exited: time for the launcher to notice it before this rank exits.
+EXIT_GAP_SECONDS = 0.5
 
 # Store keys live under smp/reliability/<torchrun restart>/<process group generation>/: the
 # store can outlive a worker group (torchrun --standalone keeps it across --max-restarts), and
@@ -51,6 +61,7 @@ ACK_TIMEOUT_SECONDS = 5.0
 FAILURE_KEY = "failure"
 _ACK_KEY = "acks"
 _RELEASE_KEY = "released"
+_FAILING_RANK_KEY = "failing_rank"
 
 # Errors every rank raises alike (a NaN check, a checkpoint, config or plan error): each rank
 # can catch its own; no rank is to blame or to be stopped.
@@ -74,9 +85,31 @@ class _Watch:
         self.pg_id: int | None = None  # id() of the process group watched
         self.generation = 0  # process groups watched so far in this process
         self.stop = threading.Event()
+        # pid of the store's host (rank 0) when it runs on this host: once it is dead, no store
+        # call is made (each would fail, and torch logs every failure with a C++ stack dump).
+        self.store_host_pid: int | None = None
 
 
 _WATCH = _Watch()
+
+
+class _StoreHostDied(Exception):
+    pass
+
+
+def _raise_if_store_host_died() -> None:
+    if _store_host_died():
+        raise _StoreHostDied()
+
+
+def _store_host_died() -> bool:
+    """Whether the store's host is known dead (rank 0 of this host, without torchrun's store)."""
+    if _WATCH.store_host_pid is None and _WATCH.store is not None and not _agent_hosts_store():
+        try:
+            _WATCH.store_host_pid = local_pid(_WATCH.store, 0)
+        except Exception:  # noqa: BLE001 - not published yet, or the store is already gone
+            return False
+    return _WATCH.store_host_pid is not None and process_state(_WATCH.store_host_pid) in (None, "Z", "X")
 
 
 def current_step() -> int | None:
@@ -102,6 +135,8 @@ def step_guard(step: int) -> Iterator[None]:
     _WATCH.step = step
     if dist.is_initialized() and dist.get_world_size() > 1:
         _ensure_watchdog()
+        if _WATCH.store_host_pid is None:
+            _store_host_died()  # learns the host's pid (once published), should the watchdog be starved
     try:
         yield
     except _AGREED_ERRORS:
@@ -130,11 +165,13 @@ def _handle_failure(exc: BaseException, step: int) -> None:
     store = _WATCH.store
     alive_others = world - 1
     try:
+        _raise_if_store_host_died()
         record = _read_record(store)
         if record is None and _is_collective_error(exc):
             # A peer may be writing its own record right now: give it one poll period, then
             # find out who is gone or stuck, so the record does not blame this rank.
             time.sleep(POLL_SECONDS)
+            _raise_if_store_host_died()
             record = _read_record(store)
             if record is None:
                 findings, alive_others = take_census(store, rank, world, step)
@@ -142,18 +179,32 @@ def _handle_failure(exc: BaseException, step: int) -> None:
         if record is None:
             record = store.compare_set(FAILURE_KEY, "", own).decode()  # first writer wins
     except Exception as store_exc:  # noqa: BLE001 - the store host (rank 0 / launcher) is gone
+        why = ("its process has exited" if isinstance(store_exc, _StoreHostDied)
+               else f"the rendezvous store no longer answers: {type(store_exc).__name__}")
+        if _is_collective_error(exc):
+            # Both the collective and the store failed: the store's host died, and this rank's
+            # peers lost it too. No rank to name but that host; this rank is not to blame.
+            _stop_process(
+                f"rank {rank} stopping at step {step}: {_store_host()} is gone ({why}); its log "
+                f"or the launcher's has the cause. Here: {_describe(exc)[:200]}"
+            )
         message = (
-            f"{own}\n(the rendezvous store is unreachable too: {type(store_exc).__name__}; "
-            "rank 0 or the launcher has exited)"
+            f"{own}\n(the rendezvous store is unreachable too: {why}; "
+            f"{_store_host()} has exited)"
         )
         _log(message)
         _note(exc, "smp: " + message)
         return
     if record != own:
-        message = f"rank {rank} stopping at step {step}: {record}"
+        message = _stopping_message(rank, step, record)
         _log(message)
         _acknowledge(store, rank)
+        _wait_for_failing_rank_to_exit(store)
         raise PeerFailure(message) from exc
+    try:
+        store.set(_FAILING_RANK_KEY, str(rank))
+    except Exception:  # noqa: BLE001 - the store went away: nobody left to tell
+        pass
     _log(own)
     _note(exc, f"smp: {own} (every rank is being stopped)")
     _wait_for_acks(store, alive_others)
@@ -188,6 +239,43 @@ def _acknowledge(store: dist.Store, rank: int) -> None:
         pass
 
 
+def _wait_for_failing_rank_to_exit(store: dist.Store) -> None:
+    """Return once the rank that posted the failure record has exited (or after a bound)."""
+    deadline = time.monotonic() + EXIT_ORDER_SECONDS
+    try:
+        while time.monotonic() < deadline and not store.check([_FAILING_RANK_KEY]):
+            time.sleep(0.05)
+        pid = local_pid(store, int(store.get(_FAILING_RANK_KEY)))
+        if pid is None:  # on another host: wait until it has counted the acknowledgements
+            while time.monotonic() < deadline and not store.check([_RELEASE_KEY]):
+                time.sleep(0.05)
+            time.sleep(EXIT_GAP_SECONDS)
+            return
+    except Exception:  # noqa: BLE001 - the store is gone: its host (maybe the failing rank) exited
+        return
+    while time.monotonic() < deadline and process_state(pid) not in (None, "Z", "X"):
+        time.sleep(0.05)
+    time.sleep(EXIT_GAP_SECONDS)
+
+
+def _stopping_message(rank: int, step: int | None, record: str) -> str:
+    if f"rank {rank} is frozen" in record:  # resumed after the others gave up on it
+        return f"rank {rank} stopping at step {step}: this process was frozen and the other ranks stopped: {record}"
+    return f"rank {rank} stopping at step {step}: {record}"
+
+
+def _store_host() -> str:
+    """Who hosts the rendezvous store: the torchrun agent when it shares its own, else rank 0."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if _agent_hosts_store():
+        return f"the torchrun agent (the rendezvous store's host, {where})"
+    return f"rank 0 (the rendezvous store's host, {where})"
+
+
+def _agent_hosts_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
 def _is_collective_error(exc: BaseException) -> bool:
     """Whether `exc` says a collective failed or timed out (so a peer, not this rank, is at fault)."""
     if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
@@ -209,8 +297,10 @@ def _ensure_watchdog() -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"smp/reliability/{restart}/{_WATCH.generation}/"
     _WATCH.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    publish_process(_WATCH.store, dist.get_rank())  # lets a census tell frozen from dead
     _WATCH.pg_id = id(pg)
     _WATCH.handling = False
+    _WATCH.store_host_pid = None
     _WATCH.stop = threading.Event()
     _WATCH.thread = threading.Thread(
         target=_watch, args=(_WATCH.store, dist.get_rank(), _WATCH.stop), name="smp-watchdog", daemon=True
@@ -234,11 +324,14 @@ def _watch(store: dist.Store, rank: int, stop: threading.Event) -> None:
     answered_census = False
     while not stop.is_set():
         try:
+            if _store_host_died():
+                return  # the collectives now fail fast too; the main thread reports it
             answered_census = answered_census or answer_census(store, rank, _WATCH.step)
             if not _WATCH.handling and store.check([FAILURE_KEY]):
                 record = store.get(FAILURE_KEY).decode()
                 _acknowledge(store, rank)
-                _stop_process(f"rank {rank} stopping at step {_WATCH.step}: {record}")
+                _wait_for_failing_rank_to_exit(store)
+                _stop_process(_stopping_message(rank, _WATCH.step, record))
         except Exception:  # noqa: BLE001
             # The store is gone: a normal shutdown on rank 0, or the launcher exited. Either way
             # the collectives themselves now fail fast; nothing left to watch.

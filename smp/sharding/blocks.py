@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 from torch import nn
 
 from smp.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
     """The model's repeated blocks, outermost first, in module order.
 
     In order of preference: the classes named in the config (`shard_modules`), a Hugging Face
-    model's `_no_split_modules`, else the children of the model's nn.ModuleLists.
+    model's `_no_split_modules`, else the children of the model's nn.ModuleLists. A block that
+    shares a parameter (a tied weight) with another block or with the rest of the model is
+    left to the root unit: FSDP2 manages each parameter in exactly one unit.
     """
     if class_names:
         wanted = set(class_names)
@@ -24,19 +31,66 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
                 f"shard_modules names {missing}, which the model does not contain; "
                 f"its module classes are: {', '.join(present)}"
             )
-        return _outermost(blocks)
+        return _without_shared_parameters(model, _outermost(blocks), named_by_user=True)
 
     no_split = getattr(model, "_no_split_modules", None)
     if no_split:
         blocks = [m for m in model.modules() if type(m).__name__ in set(no_split) and m is not model]
         if blocks:
-            return _outermost(blocks)
+            return _without_shared_parameters(model, _outermost(blocks))
 
     blocks = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
-    return _outermost(blocks)
+    return _without_shared_parameters(model, _outermost(blocks))
 
 
 def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:
     """Drop blocks nested inside other blocks: FSDP units must not overlap in parameters twice."""
     inner = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
-    return [b for b in blocks if id(b) not in inner]
+    unique, seen = [], set()
+    for b in blocks:
+        if id(b) not in inner and id(b) not in seen:  # one module listed twice is one unit
+            unique.append(b)
+            seen.add(id(b))
+    return unique
+
+
+def _without_shared_parameters(
+    model: nn.Module, blocks: list[nn.Module], named_by_user: bool = False
+) -> list[nn.Module]:
+    """`blocks` less those holding a parameter that another unit (another block, or the root:
+    everything outside the blocks) also uses, e.g. BERT's word embeddings tied to the MLM decoder.
+
+    Those parameters then all live in the root unit, with every module that uses them. Decided
+    from the module tree only (parameter identity), so it holds for any model, on meta too.
+    """
+    unit_of_module: dict[int, int] = {}  # id(module) -> block index; absent: the root
+    for index, block in enumerate(blocks):
+        for sub in block.modules():
+            unit_of_module[id(sub)] = index
+    units_of_param: dict[int, set[int]] = {}
+    names_of_param: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        unit = unit_of_module.get(id(module), -1)
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            units_of_param.setdefault(id(param), set()).add(unit)
+            names_of_param.setdefault(id(param), []).append(f"{module_name}.{name}" if module_name else name)
+    dropped: dict[int, list[str]] = {}
+    for pid, units in units_of_param.items():
+        if len(units) > 1:
+            for unit in units - {-1}:
+                dropped.setdefault(unit, []).extend(names_of_param[pid])
+    if not dropped:
+        return blocks
+    for index in sorted(dropped):
+        message = (
+            f"smp: {type(blocks[index]).__name__} block #{index} shares parameters with another part "
+            f"of the model ({', '.join(sorted(set(dropped[index])))}); it stays in the root FSDP "
+            "unit with them, not in a unit of its own"
+        )
+        if named_by_user:
+            warnings.warn(message, stacklevel=3)
+        else:
+            log.info(message)
+    return [b for index, b in enumerate(blocks) if index not in dropped]

@@ -11,6 +11,19 @@ that they equal the eager init for the same seed:
 
 Every rank computes the same full values (same seed), so no rank sends data to another in the
 first pass; the second gathers one module at a time.
+
+Any meta model is accepted the same way, whoever built it: `smp.init_context()`,
+`torch.device("meta")`, accelerate's `init_empty_weights()` (which leaves buffers real and marks
+modules `_is_hf_initialized`) or transformers' own meta loading. Tensors the model already holds
+for real are kept; every other value is written by the replay, and a value that no init call
+re-creates (a constructor-only buffer) is refused by name rather than left as garbage.
+
+The replay reproduces eager values only if it draws the random generator exactly as eager
+construction did before each init. A transformers constructor can draw outside any init call (a
+parameter drawn in __init__, a module built and then replaced): every later value would shift.
+For a transformers model this is proven, not assumed: its class is rebuilt from its config on
+the meta device (no memory, inits skipped as transformers does on meta) recording every random
+draw, and the replay's draws must be the same sequence, or the model is refused.
 """
 
 from __future__ import annotations
@@ -19,9 +32,13 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from smp.errors import ConfigError
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
@@ -93,6 +110,22 @@ def _init_conv1d(module: nn.Module) -> None:
 _CONSTRUCTOR_INITS: dict[str, Callable[[nn.Module], None]] = {"Conv1D": _init_conv1d}
 
 
+class _RecordDraws(TorchDispatchMode):
+    """Appends (op, shape) to `draws` for every op that consumes the random generator: the CPU
+    generator's position after a draw depends only on the op and the number of values drawn."""
+
+    def __init__(self, draws: list[tuple[str, tuple[int, ...]]]) -> None:
+        super().__init__()
+        self.draws = draws
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            self.draws.append((str(func.overloadpacket), tuple(first.shape) if isinstance(first, torch.Tensor) else ()))
+        return out
+
+
 class _Replay:
     """Re-runs the RNG draws of eager construction, in construction order.
 
@@ -104,13 +137,14 @@ class _Replay:
 
     def __init__(self, model: nn.Module) -> None:
         self.hf_done: set[int] = set()
-        # Each parameter belongs to the first module that registers it; a tied copy elsewhere
-        # (an LM head tied to the embedding) draws the RNG but does not write.
-        self.first_owner: dict[int, int] = {}
-        for module in model.modules():
-            for param in module._parameters.values():
-                if param is not None:
-                    self.first_owner.setdefault(id(param), id(module))
+        # Each parameter's value is written through one owner module; a tied copy elsewhere (an
+        # LM head tied to the embedding) draws the RNG into its own temporary, not kept.
+        self.first_owner = _value_owners(model)
+        # The constructor-phase draws (reset_parameters and constructor inits, not transformers'
+        # initialize_weights) with the module drawing each, for `_check_same_draws`.
+        self.draws: list[tuple[str, tuple[int, ...]]] = []
+        self.drawn_by: list[str] = []
+        self.names = {id(m): name for name, m in model.named_modules()}
 
     def construct(self, module: nn.Module) -> None:
         for child in module.children():
@@ -118,15 +152,21 @@ class _Replay:
         reset = getattr(module, "reset_parameters", None)
         constructor_init = _CONSTRUCTOR_INITS.get(type(module).__name__)
         if callable(reset) or constructor_init is not None:
+            before = len(self.draws)
             with _full_parameters(module, gather=False, first_owner=self.first_owner):
-                reset() if callable(reset) else constructor_init(module)
+                with _RecordDraws(self.draws):
+                    reset() if callable(reset) else constructor_init(module)
+            self.drawn_by += [self.names.get(id(module), "?")] * (len(self.draws) - before)
         if _is_hf_model(module):
             self._hf_initialize(module)
 
     def _hf_initialize(self, model: nn.Module) -> None:
         from transformers import initialization as hf_init
 
-        is_custom = model.is_custom_code()
+        # FSDP2 re-classes a sharded module (FSDPT5ForConditionalGeneration), whose module path
+        # would make transformers treat it as remote code and skip its own-parameter-less inits
+        # (T5's root init of the shared embedding): ask the user's class, as eager construction did.
+        is_custom = _user_class(model).is_custom_code()
 
         def visit(module: nn.Module, init_fn: Callable) -> None:
             for child in module.children():
@@ -141,13 +181,170 @@ class _Replay:
             visit(model, model._initialize_weights)
 
 
+def _eager_construction_draws(model: nn.Module) -> list[tuple[str, tuple[int, ...]]] | str:
+    """The random draws of building `model`'s transformers class from its config, before
+    transformers' initialize_weights (which it skips on the meta device, as the replay replays it
+    separately); or why the rebuild does not give this model's tensors."""
+    cls = _user_class(model)
+    draws: list[tuple[str, tuple[int, ...]]] = []
+    try:
+        with torch.device("meta"), _RecordDraws(draws):
+            rebuilt = cls(model.config)
+    except Exception as e:  # noqa: BLE001 - any failure means the proof cannot be made
+        return f"{cls.__name__}(config) does not rebuild it ({type(e).__name__}: {e})"
+    def shapes(m: nn.Module) -> dict[str, tuple[int, ...]]:  # every name, tied or not
+        tensors = (*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False))
+        return {n: tuple(t.shape) for n, t in tensors}
+
+    if shapes(model) != shapes(rebuilt):
+        return f"{cls.__name__}(config) builds other tensors than this model holds (built with other arguments?)"
+    return draws
+
+
+def _check_same_draws(model: nn.Module, eager: list[tuple[str, tuple[int, ...]]] | str, replay: _Replay) -> None:
+    """Refuse a transformers model whose eager construction draws the random generator otherwise
+    than the replay: every value initialised after the first difference would differ silently."""
+    if isinstance(eager, str):
+        reason = eager
+    elif eager == replay.draws:
+        return
+    else:
+        k = next((i for i, (a, b) in enumerate(zip(eager, replay.draws)) if a != b), min(len(eager), len(replay.draws)))
+        near = replay.drawn_by[min(k, len(replay.drawn_by) - 1)] if replay.drawn_by else "<root>"
+        reason = (
+            f"its construction draws the random generator {len(eager)} times, the replay of its "
+            f"init calls {len(replay.draws)} times, first differing at draw {k} (near '{near}'): a "
+            "constructor draws random numbers itself or builds a module it then replaces"
+        )
+    raise ConfigError(
+        f"delayed initialisation cannot reproduce {_user_class(model).__name__}'s eager values: {reason}. "
+        "Build the model eagerly, or load its weights (smp.checkpointing.load_hf) instead of relying on init."
+    )
+
+
+def _user_class(module: nn.Module) -> type:
+    """The class the user built: FSDP2's `FSDP<Name>` subclass stripped."""
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+    return cls
+
+
+def _value_owners(model: nn.Module) -> dict[int, int]:
+    """id(parameter) -> id(the module whose init calls decide its value).
+
+    Eager construction gives each user of a tied parameter its own tensor and ties them at the
+    end: transformers' `tie_weights` points every target at the source of
+    `all_tied_weights_keys` ({target: source}), so the source's module owns the value, whichever
+    registers it first (T5: `shared`, not `encoder.embed_tokens` or `lm_head`). Outside
+    transformers (or for parameters HF does not tie) the first module registering it owns it, as
+    in `self.head.weight = self.embed.weight`.
+    """
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), id(module))
+    for source in set((getattr(model, "all_tied_weights_keys", None) or {}).values()):
+        module_name, _, param_name = source.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            continue  # a buffer or a name this model no longer has: nothing to own
+        param = module._parameters.get(param_name)
+        if param is not None:
+            owners[id(param)] = id(module)
+    return owners
+
+
+def _clear_hf_init_marks(model: nn.Module) -> None:
+    """Forget transformers' `_is_hf_initialized` marks: they describe values that were never
+    allocated (accelerate's init_empty_weights runs the inits on meta tensors and marks every
+    module), and would make the replay skip those modules' inits."""
+    for obj in (*model.modules(), *model.parameters(), *model.buffers()):
+        if "_is_hf_initialized" in getattr(obj, "__dict__", {}):
+            del obj._is_hf_initialized
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tensor_slots(model: nn.Module) -> Iterator[tuple[str, dict, str]]:
+    """(qualified name, the module dict holding it, its key there) for every parameter and
+    buffer, each tensor once."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    yield (f"{module_name}.{name}" if module_name else name), store, name
+
+
+def _real_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the tensors that are not on meta (accelerate keeps buffers real): `to_empty`
+    would otherwise replace them with uninitialised memory."""
+    return {
+        qualified: _local(store[name]).detach().clone()
+        for qualified, store, name in _tensor_slots(model)
+        if not _local(store[name]).is_meta
+    }
+
+
+def _unset_marker(t: torch.Tensor):
+    """A value no init writes: NaN for floats, the type's minimum for integers (None: bool)."""
+    if t.is_floating_point() or t.is_complex():
+        return float("nan")
+    if t.dtype == torch.bool:
+        return None
+    return torch.iinfo(t.dtype).min
+
+
+def _mark_unset(model: nn.Module, real: dict[str, torch.Tensor]) -> None:
+    for qualified, store, name in _tensor_slots(model):
+        local = _local(store[name])
+        if qualified in real:
+            local.copy_(real[qualified])
+        elif (marker := _unset_marker(local)) is not None:
+            local.fill_(marker)
+
+
+def _check_all_set(model: nn.Module) -> None:
+    """Refuse, on every rank alike, a model in which some value was written by no init call."""
+    unset = []
+    for qualified, store, name in _tensor_slots(model):
+        local = _local(store[name])
+        marker = _unset_marker(local)
+        if marker is None or local.numel() == 0:
+            continue
+        hit = torch.isnan(local).any() if isinstance(marker, float) else (local == marker).any()
+        if bool(hit):
+            unset.append(qualified)
+    # A rank whose shards happen to be all set must raise too, or the others hang in the next
+    # collective: agree on the worst count (the names come from the ranks that saw them).
+    count = torch.tensor([len(unset)], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized():
+        on = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else "cpu"
+        count = count.to(on)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if int(count):
+        raise ConfigError(
+            "delayed initialisation cannot re-create "
+            f"{', '.join(unset[:8]) or 'values held by other ranks'}{' ...' if len(unset) > 8 else ''}: "
+            "built on the meta device, their values were set in a constructor and no init call "
+            "(reset_parameters(), transformers' _init_weights) writes them again. Build the model "
+            "eagerly, or keep those tensors real (accelerate's init_empty_weights keeps buffers)."
+        )
+
+
 def _check_initialisable(model: nn.Module) -> None:
     """Outside transformers, only `reset_parameters()` can re-create a module's values."""
     for name, module in model.named_modules():
         own = [n for n, p in module.named_parameters(recurse=False)]
         own += [n for n, b in module.named_buffers(recurse=False)]
         if own and not callable(getattr(module, "reset_parameters", None)):
-            raise ValueError(
+            raise ConfigError(
                 f"delayed initialisation cannot initialise module '{name or '<root>'}' "
                 f"({type(module).__name__}): it holds {own} but has no reset_parameters(). "
                 "Give the class a reset_parameters() that fills them, or build the model eagerly."
@@ -160,8 +357,15 @@ def materialize_meta_model(model: nn.Module, device: torch.device, seed: int) ->
     hf_model = _is_hf_model(model)
     if not hf_model:
         _check_initialisable(model)
+    eager_draws = _eager_construction_draws(model) if hf_model else None  # before seeding: draws nothing real
+    _clear_hf_init_marks(model)
+    real = _real_values(model)
     model.to_empty(device=device)
+    _mark_unset(model, real)
     torch.manual_seed(seed)
-    _Replay(model).construct(model)
+    replay = _Replay(model)
+    replay.construct(model)
     if hf_model:
+        _check_same_draws(model, eager_draws, replay)
         model.tie_weights()
+    _check_all_set(model)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import copy
+import inspect
+import textwrap
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -10,14 +15,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from smp.errors import ConfigError, PlanError
-from smp.tensor_parallel.styles import Options, make_style
+from smp.tensor_parallel.loss import use_vocab_parallel_loss
+from smp.tensor_parallel.moe import MoeExperts
+from smp.tensor_parallel.styles import Options, is_conv1d, make_style
 from smp.tensor_parallel.tp_plan import StyleSpec, expand_plan, resolve_plan
 
-# Per-module attributes some attention implementations read in forward (GPT-2: num_heads,
-# split_size; user models: heads). Under TP each rank holds 1/tp of them. HF Llama-style
-# attention reshapes with -1 and needs nothing here.
-PER_RANK_ATTRS = ("num_heads", "num_key_value_heads", "num_kv_heads", "heads", "n_head", "n_heads", "split_size")
-
+# Names of per-head sizes: never divided, even when their value equals a head count.
+_PER_HEAD = ("dim", "size", "group")
 
 def apply_tensor_parallel(
     model: nn.Module,
@@ -40,15 +44,27 @@ def apply_tensor_parallel(
     check_head_counts(model, tp)
     opts = Options(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     expanded = expand_plan(model, resolved, opts)
-    divide_region_attrs(expanded.regions, tp)
+    divide_region_attrs(expanded.regions, _split_widths(expanded), _head_counts(model), tp)
 
     ties = _tied_parameters(model)
     applied: dict[str, str] = {}
     for a in expanded.assignments:
-        style = a.style if isinstance(a.style, ParallelStyle) else make_style(a.style, a.module, opts, a.is_head)
-        parallelize_module(a.module, tp_mesh, style)
         applied[a.name] = a.style if isinstance(a.style, str) else type(a.style).__name__
+        if a.why:
+            applied[a.name] += f" ({a.why})"
+        if a.style == "replicate":  # declared whole on every rank, gradient whole too: nothing to do
+            continue
+        if isinstance(a.style, ParallelStyle):
+            style = a.style
+        elif a.style == "moe_tp_experts":
+            style = MoeExperts(a.param_styles, a.name)
+        else:
+            local_opts = opts if a.sequence_parallel else replace(opts, sequence_parallel=False)
+            style = make_style(a.style, a.module, local_opts, a.is_head)
+        parallelize_module(a.module, tp_mesh, style)
     _retie(ties)
+    if loss_parallel:
+        use_vocab_parallel_loss(model)
     # For introspection and tests: what was applied where, and from which plan.
     model._smp_tp_plan = applied  # type: ignore[assignment]
     model._smp_tp_plan_source = resolved.source  # type: ignore[assignment]
@@ -82,18 +98,98 @@ def check_head_counts(model: nn.Module, tp: int) -> None:
         )
 
 
-def divide_region_attrs(regions: dict[str, nn.Module], tp: int) -> None:
-    for name, module in regions.items():
-        for attr in PER_RANK_ATTRS:
-            value = getattr(module, attr, None)
-            if not isinstance(value, int) or isinstance(value, bool):
+def _head_counts(model: nn.Module) -> set[int]:
+    """The config's head counts (num_attention_heads, num_key_value_heads, n_head, ...)."""
+    cfg = _text_config(model)
+    if cfg is None:
+        return set()
+    return {v for k, v in vars(cfg).items() if _is_count(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0}
+
+
+def _is_count(name: str) -> bool:
+    """A head count by its name (`num_heads`, `n_head`, `heads_per_rank`), not a per-head size."""
+    return "head" in name and not any(w in name for w in _PER_HEAD)
+
+
+def _split_widths(expanded: Any) -> dict[str, set[int]]:
+    """Region name -> the full output widths its split projections produce (each packed part
+    counted alone): an attribute holding one of them holds a width TP divides."""
+    parts = {"packed_colwise": 2, "packed_qkv_colwise": 3}
+    widths: dict[str, set[int]] = {}
+    for a in expanded.assignments:
+        parent = a.name.rpartition(".")[0]
+        if parent in expanded.regions and isinstance(a.style, str) and a.style in ("colwise", *parts):
+            out = a.module.weight.shape[1] if is_conv1d(a.module) else a.module.weight.shape[0]
+            widths.setdefault(parent, set()).add(out // parts.get(a.style, 1))
+    return widths
+
+
+def _reads(cls: type) -> set[str] | None:
+    """Attributes `self.X` and `self.config.X` (as 'config.X') that `cls` reads outside
+    `__init__`; None when its source is unavailable (then every candidate counts as read)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name == "__init__":
                 continue
-            if value % tp:
-                raise ConfigError(
-                    f"{name or type(module).__name__}.{attr}={value} is not divisible by "
-                    f"tensor_parallel_degree={tp}; choose a tensor_parallel_degree that divides {value}"
-                )
-            setattr(module, attr, value // tp)
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    names.add(node.attr)
+                elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                      and node.value.attr == "config" and isinstance(node.value.value, ast.Name)
+                      and node.value.value.id == "self"):
+                    names.add("config." + node.attr)
+    return names
+
+
+def _divide(owner: Any, where: str, attr: str, value: int, tp: int) -> None:
+    if value % tp:
+        raise ConfigError(
+            f"{where}.{attr}={value} is not divisible by tensor_parallel_degree={tp}; choose a "
+            f"tensor_parallel_degree that divides {value}"
+        )
+    setattr(owner, attr, value // tp)
+
+
+def divide_region_attrs(regions: dict[str, nn.Module], widths: dict[str, set[int]], head_counts: set[int], tp: int) -> None:
+    """Per-rank values for the counts a split region's code reads: under TP each rank holds
+    1/tp of its heads, so `self.num_attention_heads` (GPT-J), `self.num_heads` / `self.split_size`
+    (GPT-2), `self.heads` (a user model), `self.config.num_attention_heads` (a module computing
+    offsets from its config) must say so. Found, not listed: an int attribute the module reads
+    outside `__init__` that is a head count (named like one and, when the model has a config,
+    equal to one of its head counts) or a split width (equal to a split projection's full output
+    width, e.g. embed_dim, split_size, all_head_size). A module reading its config gets its own
+    copy with per-rank counts; the model's config is left whole."""
+    for name, module in regions.items():
+        where = name or type(module).__name__
+        reads = _reads(type(module))
+        region_widths = widths.get(name, set())
+        for attr, value in list(vars(module).items()):
+            if not isinstance(value, int) or isinstance(value, bool) or attr.startswith("_"):
+                continue
+            if reads is not None and attr not in reads:
+                continue
+            is_count = _is_count(attr) and (not head_counts or value in head_counts)
+            is_width = value in region_widths and not _is_count(attr) and attr not in ("head_dim", "head_size")
+            if is_count or is_width:
+                _divide(module, where, attr, value, tp)
+        cfg = getattr(module, "config", None)
+        if cfg is None or not hasattr(cfg, "to_dict"):
+            continue
+        counts = [
+            a for a in (r.partition(".")[2] for r in (reads or ()) if r.startswith("config."))
+            if _is_count(a) and isinstance(getattr(cfg, a, None), int) and not isinstance(getattr(cfg, a), bool)
+        ]
+        if counts:
+            module.config = cfg = copy.copy(cfg)
+            for attr in counts:
+                _divide(cfg, where + ".config", attr, getattr(cfg, attr), tp)
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

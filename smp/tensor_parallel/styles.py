@@ -233,17 +233,112 @@ class ReplicateToSequence(ParallelStyle):
         return distribute_module(module, device_mesh, partition, to_input, to_output)
 
 
+class ReplicatedPartialGrad(ParallelStyle):
+    """`replicated_with_grad_allreduce`: a parameter kept whole on every rank whose gradient
+    each rank computes only partly, e.g. Qwen3's per-head `q_norm` inside attention, which
+    sees only this rank's heads. transformers sums such gradients over the TP group; here the
+    module runs on its parameters' local values with the gradient declared `Partial`, so
+    DTensor (or FSDP, before its reduce-scatter) sums it: no hook to lose when FSDP replaces
+    the parameters. `grad_placement` is a class attribute so a test can break the sum on
+    purpose (tests/tp_vocabulary_cases.py)."""
+
+    grad_placement: Placement = Partial()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                _distribute(module, name, device_mesh, Replicate(), self.src_data_rank)
+        grad_placement = self.grad_placement
+
+        def local_partial(p: DTensor) -> torch.Tensor:
+            return p.to_local(grad_placements=[grad_placement])
+
+        original_forward = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            convert = {name: local_partial for name in module._parameters}
+            with _local_params(module, convert):
+                return original_forward(*args, **kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
+class WholeSequence(ParallelStyle):
+    """Under sequence parallel, a block that computes on the whole sequence with plain tensors:
+    the MoE block around `moe_tp_experts` (router, unsplit shared expert) or a submodule the plan
+    leaves replicated (DeepSeek-V3's attention). It takes the sequence-sharded stream in as one
+    gathered plain tensor (whose gradient is whole on every rank: partial gradients inside are
+    summed there) and hands its output back as a sequence shard."""
+
+    def __init__(self, seq_dim: int):
+        super().__init__()
+        self.seq_dim = seq_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        seq = Shard(self.seq_dim)
+
+        def enter(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [seq], run_check=False)
+            return x.redistribute(placements=[Replicate()]).to_local()
+
+        def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (enter(args[0]),) + tuple(args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                kwargs = dict(kwargs, hidden_states=enter(kwargs["hidden_states"]))
+            return args, kwargs
+
+        def leave(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+                return x
+            return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).redistribute(placements=[seq])
+
+        def post_hook(_mod: nn.Module, _args: tuple, out: Any) -> Any:
+            if isinstance(out, tuple):  # (hidden_states, router_logits) in some families
+                return (leave(out[0]),) + out[1:]
+            return leave(out)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(post_hook)
+        return module
+
+
 @dataclass(frozen=True)
 class Options:
     sequence_parallel: bool = False
     loss_parallel: bool = False
 
 
+# transformers 5.23's style vocabulary (`ALL_PARALLEL_STYLES`) plus smp's own: every name a
+# plan may hold is either here (applied) or in REFUSED_STYLES (an error saying what to do).
 STYLE_NAMES = (
     "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
-    "embedding_rowwise", "embedding_colwise", "packed_colwise", "packed_qkv_colwise",
-    "sequence_parallel", "gather_sequence", "region_entry", "replicate_to_sequence", "lm_head",
+    "embedding_rowwise", "embedding_colwise", "packed_colwise", "packed_qkv_colwise", "packed_rowwise",
+    "sequence_parallel", "replicated_with_grad_allreduce", "replicate", "moe_tp_experts",
+    "gather_sequence", "region_entry", "replicate_to_sequence", "lm_head", "whole_sequence",
 )
+# Styles smp reads on expert parameters only (under a module styled `moe_tp_experts`).
+EXPERT_PARAM_STYLES = ("packed_colwise", "colwise", "rowwise", "packed_rowwise")
+_NO_EP = ("expert parallelism (whole experts per rank); smp has none. Leave the model's own "
+          "`base_model_tp_plan` (its 'moe_tp_experts' entries split every expert over the TP ranks), "
+          "or remove the entry")
+REFUSED_STYLES: dict[str, str] = {
+    "grouped_gemm": _NO_EP,
+    "ep_dispatch_experts": _NO_EP,
+    "mla_kv_a_proj": ("DeepSeek-V2-style multi-head latent attention; smp does not split it. Remove "
+                      "the attention entries (attention then stays replicated, the MLP split)"),
+    "moe_identity_expert": ("zero (identity) experts; smp does not split them. Remove the model's "
+                            "'moe_tp_experts' entries to keep the experts replicated"),
+    "local_params": ("a bare parameter split by its own entry (e.g. attention sinks); smp splits "
+                     "parameters only inside 'moe_tp_experts' modules. Remove the entry and the "
+                     "parameter's, keeping that module replicated"),
+    "all_reduce": ("sums a module's partial output, which needs parameter entries smp does not "
+                   "split outside 'moe_tp_experts'. Remove the entry and those it pairs with"),
+}
 
 
 def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = False) -> ParallelStyle:
@@ -269,7 +364,9 @@ def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = Fals
             return Col(input_layouts=seq_in, output_layouts=Replicate())
         return Col(output_layouts=Replicate())
     if name in ("rowwise_rep", "rowwise_split_input"):
-        return Row(input_layouts=Replicate(), output_layouts=Replicate())
+        # Closes a gathered region (Phi-3, OLMo2): a full input, split here; under SP the output
+        # rejoins the sequence-sharded stream.
+        return Row(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=not sp)
     if name == "embedding_rowwise":  # vocab-parallel embedding
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=not sp)
     if name == "embedding_colwise":
@@ -286,5 +383,9 @@ def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = Fals
         return RegionEntry(Replicate())
     if name == "replicate_to_sequence":
         return ReplicateToSequence()
+    if name == "replicated_with_grad_allreduce":
+        return ReplicatedPartialGrad()
+    if name == "whole_sequence":
+        return WholeSequence(SEQ_DIM)
     raise KeyError(name)
 

@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from smp.config import ConfigError
-from smp.tensor_parallel.styles import STYLE_NAMES, Options, is_conv1d
+from smp.errors import PlanError
+from smp.tensor_parallel.styles import EXPERT_PARAM_STYLES, REFUSED_STYLES, STYLE_NAMES, Options, is_conv1d
 
 StyleSpec = Union[str, ParallelStyle]
 
@@ -50,6 +51,10 @@ HEAD_STYLE = "colwise_gather_output"
 # Styles that open a TP region: their parent module (attention, MLP) computes on per-rank heads
 # or features, and under sequence parallel gathers the sequence at its entry.
 REGION_STYLES = {"colwise", "packed_colwise", "packed_qkv_colwise"}
+# Styles that open a gathered region (Phi-3, OLMo2): the projection's output is gathered whole,
+# so the parent computes on full activations (nothing per-rank); under sequence parallel it
+# still gathers the sequence at its entry, and its `rowwise_split_input` closes it.
+GATHERED_REGION_STYLES = {"colwise_gather_output", "colwise_rep"}
 
 
 @dataclass
@@ -65,6 +70,10 @@ class Assignment:
     module: nn.Module
     style: StyleSpec
     is_head: bool = False
+    # Layers inside an MoE block run on its gathered plain input even under sequence parallel.
+    sequence_parallel: bool = True
+    param_styles: dict[str, str] = field(default_factory=dict)  # `moe_tp_experts`: per parameter
+    why: str = ""  # set on entries smp added itself, for `model._smp_tp_plan`
 
 
 @dataclass
@@ -135,18 +144,32 @@ def _pattern(p: str) -> re.Pattern[str]:
     return re.compile("".join("[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", p)))
 
 
-def _match(plan: TPPlan, modules: dict[str, nn.Module]) -> dict[str, tuple[str, StyleSpec]]:
-    """Module name -> (pattern, style). A later pattern does not override an earlier exact hit."""
+def _check_style_name(style: StyleSpec, pattern: str, source: str) -> None:
+    if not isinstance(style, str) or style in STYLE_NAMES:
+        return
+    if style in REFUSED_STYLES:
+        raise ConfigError(
+            f"tensor-parallel plan ({source}): {pattern!r} has style {style!r}: "
+            f"{REFUSED_STYLES[style]}; or set tensor_parallel_degree: 1"
+        )
+    raise ConfigError(
+        f"tensor-parallel plan ({source}): unknown style {style!r} for {pattern!r}; "
+        f"use one of: {', '.join(STYLE_NAMES)}, or pass a torch ParallelStyle object"
+    )
+
+
+def _match(plan: TPPlan, modules: dict[str, nn.Module], params: list[str]) -> tuple[dict[str, tuple[str, StyleSpec]], dict[str, str]]:
+    """(module name -> (pattern, style), parameter name -> style). A later pattern does not
+    override an earlier exact hit. Patterns naming a parameter (transformers' expert weights:
+    `experts.gate_up_proj`) go to the second map."""
     out: dict[str, tuple[str, StyleSpec]] = {}
+    param_styles: dict[str, str] = {}
     for pattern, style in plan.entries.items():
-        if isinstance(style, str) and style not in STYLE_NAMES:
-            raise ConfigError(
-                f"tensor-parallel plan ({plan.source}): unknown style {style!r} for {pattern!r}; "
-                f"use one of: {', '.join(STYLE_NAMES)}, or pass a torch ParallelStyle object"
-            )
+        _check_style_name(style, pattern, plan.source)
         regex = _pattern(pattern)
         hits = [n for n in modules if n and regex.fullmatch(n)]
-        if not hits and plan.strict:
+        param_hits = [n for n in params if regex.fullmatch(n)] if not hits else []
+        if not hits and not param_hits and plan.strict:
             raise ConfigError(
                 f"tensor-parallel plan ({plan.source}): pattern {pattern!r} matches no module of "
                 f"{next(iter(modules.values())).__class__.__name__}; names look like: "
@@ -154,11 +177,25 @@ def _match(plan: TPPlan, modules: dict[str, nn.Module]) -> dict[str, tuple[str, 
             )
         for name in hits:
             out.setdefault(name, (pattern, style))
-    return out
+        for name in param_hits:
+            if not isinstance(style, str) or style not in EXPERT_PARAM_STYLES:
+                raise ConfigError(
+                    f"tensor-parallel plan ({plan.source}): {pattern!r} names parameter {name!r} with "
+                    f"style {style!r}; parameter entries take {', '.join(EXPERT_PARAM_STYLES)} (expert "
+                    "weights under a 'moe_tp_experts' module); point other entries at modules"
+                )
+            param_styles.setdefault(name, style)
+    return out, param_styles
+
+
+_ANY_MODULE_STYLES = (
+    "sequence_parallel", "gather_sequence", "region_entry", "replicate_to_sequence",
+    "replicated_with_grad_allreduce", "replicate", "moe_tp_experts", "whole_sequence",
+)
 
 
 def _check_module_type(name: str, module: nn.Module, style: StyleSpec, source: str) -> None:
-    if not isinstance(style, str) or style in ("sequence_parallel", "gather_sequence", "region_entry", "replicate_to_sequence"):
+    if not isinstance(style, str) or style in _ANY_MODULE_STYLES:
         return
     if style.startswith("embedding"):
         ok = isinstance(module, nn.Embedding)
@@ -178,9 +215,76 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
+def _in_width(module: nn.Module) -> int | None:
+    """A Linear / Conv1D layer's input width."""
+    if is_conv1d(module):
+        return module.weight.shape[0]
+    return getattr(module, "in_features", None)
+
+
+def _is_inline(region: nn.Module, width: int | None) -> bool:
+    """A region that also holds the residual stream's norms (attention and MLP computed inline in
+    the block, like TinyTransformer's): a norm as wide as the region's input."""
+    return any(
+        _is_norm(m) and getattr(m, "weight", None) is not None and m.weight.shape[-1] == width
+        for m in region.modules()
+    )
+
+
+def _head_dim(model: nn.Module, region: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    for owner in (region, cfg):
+        dim = getattr(owner, "head_dim", None) or getattr(owner, "head_size", None)
+        if isinstance(dim, int):
+            return dim
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    return hidden // heads if heads and hidden else None
+
+
+def _partial_grad_modules(model, modules, assigned, regions, widths) -> list[Assignment]:
+    """Replicated parameters inside a split region whose gradient each rank computes only partly.
+
+    Between a colwise layer and its rowwise partner every rank holds only its heads/features: a
+    parameter applied there (Qwen3's per-head q_norm/k_norm) is whole on every rank, yet each
+    rank's gradient covers only its own heads. Left alone, training silently diverges from one
+    process (norm gradients off by ~1e-3), so smp sums them over the TP group automatically,
+    exactly like transformers' `replicated_with_grad_allreduce` (which the shipped plans name).
+    What smp cannot prove per-rank is refused, naming the parameter and the two explicit entries.
+    """
+    extras: list[Assignment] = []
+    for rname in sorted(regions):
+        region, width = regions[rname], widths.get(rname)
+        inline = _is_inline(region, width)
+        head_dim = _head_dim(model, region)
+        for sub, module in region.named_modules():
+            name = f"{rname}.{sub}" if rname and sub else (rname or sub)
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if not own or any(n == name or name.startswith(n + ".") for n in assigned):
+                continue  # split by the plan, or inside a module the plan styles as a whole
+            if all(p.shape[-1] == width for _, p in own) and inline:
+                continue  # a residual-stream norm of an inline block: it sees the whole input
+            if all(p.ndim == 1 and p.shape[0] == head_dim for _, p in own):
+                extras.append(Assignment(name, module, "replicated_with_grad_allreduce",
+                                         why=f"auto: per-head parameter inside the split region {rname!r}"))
+                continue
+            pname = f"{name}.{own[0][0]}"
+            raise PlanError(
+                f"tensor-parallel plan: {pname} {tuple(own[0][1].shape)} is replicated inside the split "
+                f"region {rname!r} and smp cannot tell whether it acts on this rank's share of the heads "
+                "(its gradient is then partial and must be summed over the TP ranks) or on the region's "
+                f"whole input. Say which in the plan: {name!r}: 'replicated_with_grad_allreduce' (applied "
+                f"after the split, like Qwen3's q_norm) or {name!r}: 'replicate' (applied to the unsplit "
+                "input); or split it with the projections"
+            )
+    return extras
+
+
 def expand_plan(model: nn.Module, plan: TPPlan, opts: Options) -> Expanded:
     modules = dict(model.named_modules())
-    matched = _match(plan, modules)
+    matched, param_styles = _match(plan, modules, [n for n, _ in model.named_parameters()])
     head = _head_name(model)
     if head is None:  # a user model: its head is the entry styled "lm_head", if any
         head = next((n for n, (_, s) in matched.items() if s == "lm_head"), None)
@@ -192,16 +296,45 @@ def expand_plan(model: nn.Module, plan: TPPlan, opts: Options) -> Expanded:
         if modules[head].weight is modules[embedding].weight:
             matched[embedding] = ("<tied to the head>", "embedding_rowwise")
 
+    experts = {n for n, (_, style) in matched.items() if style == "moe_tp_experts"}
+    for pname, style in param_styles.items():
+        if pname.rpartition(".")[0] not in experts:
+            raise ConfigError(
+                f"tensor-parallel plan ({plan.source}): parameter entry {pname!r} ({style!r}) needs its "
+                f"module {pname.rpartition('.')[0]!r} styled 'moe_tp_experts'; smp splits bare parameters "
+                "only as expert weights. Add that entry, or remove the parameter's"
+            )
+    moe_blocks = {n.rpartition(".")[0]: modules[n.rpartition(".")[0]] for n in experts}
+
+    def in_moe_block(name: str) -> bool:
+        return any(name.startswith(b + ".") for b in moe_blocks if b)
+
     out = Expanded()
+    gathered: dict[str, nn.Module] = {}
+    widths: dict[str, int | None] = {}
     for name, (_, style) in matched.items():
         _check_module_type(name, modules[name], style, plan.source)
+        if style == "packed_rowwise":
+            raise ConfigError(
+                f"tensor-parallel plan ({plan.source}): 'packed_rowwise' on module {name!r}; smp reads it "
+                "on expert parameters only (under a 'moe_tp_experts' module). Use 'rowwise' for a Linear"
+            )
+        parent = name.rpartition(".")[0]
         if isinstance(style, str) and style in REGION_STYLES and name != head:
-            parent = name.rpartition(".")[0]
             out.regions[parent] = modules[parent]
-        out.assignments.append(Assignment(name, modules[name], style, is_head=(name == head)))
+            widths.setdefault(parent, _in_width(modules[name]))
+        elif isinstance(style, str) and style in GATHERED_REGION_STYLES and name != head:
+            gathered[parent] = modules[parent]
+            widths.setdefault(parent, _in_width(modules[name]))
+        own = {p.rpartition(".")[2]: s for p, s in param_styles.items() if p.rpartition(".")[0] == name}
+        out.assignments.append(Assignment(name, modules[name], style, is_head=(name == head),
+                                          sequence_parallel=not in_moe_block(name), param_styles=own))
+
+    out.assignments += _partial_grad_modules(model, modules, matched, out.regions, widths)
 
     if opts.sequence_parallel:
-        out.assignments += _sequence_parallel_extras(model, modules, matched, out.regions, head)
+        out.assignments += _sequence_parallel_extras(model, modules, matched, out.regions, gathered,
+                                                     moe_blocks, widths, head, in_moe_block)
     else:
         # One shared replicated input per region: one all-reduce of its gradient in backward.
         # Not for regions that also hold norms (attention inline in the block): their input
@@ -209,31 +342,59 @@ def expand_plan(model: nn.Module, plan: TPPlan, opts: Options) -> Expanded:
         out.assignments += [
             Assignment(rname, region, "region_entry")
             for rname, region in sorted(out.regions.items())
-            if rname and not _holds_norms(region)
+            if rname and not _is_inline(region, widths.get(rname))
         ]
     return out
 
 
-def _holds_norms(region: nn.Module) -> bool:
-    return any(_is_norm(m) and not ("q_norm" in n or "k_norm" in n) for n, m in region.named_modules())
-
-
-def _sequence_parallel_extras(model, modules, matched, regions, head) -> list[Assignment]:
-    """Norms outside the regions run on the sequence shard; regions gather it at their entry."""
+def _sequence_parallel_extras(model, modules, matched, regions, gathered, moe_blocks, widths, head, in_moe_block) -> list[Assignment]:
+    """Norms outside the regions run on the sequence shard; regions gather it at their entry;
+    an MoE block gathers it for its router and experts and hands a shard back."""
     extras: list[Assignment] = []
-    region_names = sorted(regions)
-    for rname in region_names:
+    closing = {}
+    for name, (_, style) in matched.items():
+        if style in ("rowwise", "rowwise_split_input", "rowwise_rep"):
+            closing[name.rpartition(".")[0]] = closing.get(name.rpartition(".")[0], 0) + 1
+    for rname, region in sorted({**regions, **gathered}.items()):
         # A region holding the block's own norms (attention computed inline in the block) has no
-        # place for the sequence gather between norm and projections.
-        if _holds_norms(regions[rname]):
+        # place for the sequence gather between norm and projections. A gathered region's norms
+        # see whole activations (OLMo2's q_norm), so there only a second closing layer (attention
+        # and MLP in one module) tells.
+        inline = _is_inline(region, widths.get(rname)) if rname in regions else closing.get(rname, 0) > 1
+        if inline:
             raise ConfigError(
                 f"sequence_parallel: {rname or type(model).__name__!r} holds both norm layers and "
                 "the split projections, so smp cannot gather the sequence between them; put "
                 "attention and MLP in their own submodules, or set tensor_parallel.sequence_parallel: false"
             )
-        extras.append(Assignment(rname, regions[rname], "gather_sequence"))
+        if in_moe_block(rname):  # e.g. DeepSeek-V3's shared experts: the block already gathered
+            extras.append(Assignment(rname, region, "region_entry", sequence_parallel=False))
+        else:
+            extras.append(Assignment(rname, region, "gather_sequence"))
+    for bname, block in sorted(moe_blocks.items()):
+        if bname in regions or bname in gathered or not bname:
+            raise ConfigError(
+                f"sequence_parallel: {bname or type(model).__name__!r} holds both the MoE experts and "
+                "split projections, so smp has no single place to gather the sequence; set "
+                "tensor_parallel.sequence_parallel: false"
+            )
+        extras.append(Assignment(bname, block, "whole_sequence"))
+    bounded = [r for r in (*regions, *gathered, *moe_blocks) if r]
+    # A sibling of a region that the plan leaves whole (DeepSeek-V3's attention beside its split
+    # MLP) computes on plain tensors: it takes the whole sequence and hands a shard back.
+    blocks = {r.rpartition(".")[0] for r in bounded}
     for name, module in modules.items():
-        inside = any(name.startswith(r + ".") for r in region_names if r)
+        if name.rpartition(".")[0] not in blocks or name in bounded or _is_norm(module) or name in matched:
+            continue
+        if any(name.startswith(b + ".") for b in bounded):
+            continue  # inside a region or MoE block: it already runs on the whole sequence
+        if any(n.startswith(name + ".") for n in matched) or isinstance(module, nn.Embedding):
+            continue
+        if any(p.requires_grad for p in module.parameters()):
+            extras.append(Assignment(name, module, "whole_sequence"))
+            bounded.append(name)
+    for name, module in modules.items():
+        inside = any(name.startswith(r + ".") for r in bounded)
         if _is_norm(module) and not inside and name not in matched:
             extras.append(Assignment(name, module, "sequence_parallel"))
         elif isinstance(module, nn.Embedding) and name not in matched and not inside:

@@ -1,0 +1,95 @@
+"""`smp.context_parallel.attention(q, k, v, causal=True)`: attention that sees the whole sequence
+while each cp rank holds only its chunks of it.
+
+`apply_context_parallel` (smp.transform) activates it for the process; `smp.shutdown` clears it.
+Without an active setup (cp = 1, or a model that was not transformed) it is plain local attention,
+so a model that calls it runs unchanged in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from smp.context_parallel.allgather import allgather_attention
+from smp.context_parallel.ring import ring_attention
+from smp.context_parallel.sharding import chunk_segments
+
+ALGORITHMS = {"ring": ring_attention, "allgather": allgather_attention}
+
+
+@dataclass
+class ContextParallelSetup:
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    algorithm: str
+    load_balance: bool
+    calls: int = field(default=0)  # attention calls in the current forward (the model check)
+
+
+_ACTIVE: ContextParallelSetup | None = None
+
+
+def activate(setup: ContextParallelSetup) -> None:
+    global _ACTIVE
+    _ACTIVE = setup
+
+
+def deactivate() -> None:
+    """Forget the setup (its process group is about to go): registered as a shutdown hook."""
+    global _ACTIVE
+    _ACTIVE = None
+
+
+def active() -> ContextParallelSetup | None:
+    return _ACTIVE
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool = True,
+              scale: float | None = None, sliding_window: int | None = None,
+              key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention over the whole sequence: query (B, H, L, D), key/value
+    (B, Hkv, L, D) with H a multiple of Hkv (GQA), L this rank's tokens; `key_padding_mask`
+    (B, L), True/1 = a real token; `sliding_window` w keeps keys with index > query index - w.
+    Masks follow global token indices. Returns (B, H, L, D) in the query's dtype."""
+    b, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"attention: {heads} query heads is not a multiple of {kv_heads} key/value heads")
+    scale = dim ** -0.5 if scale is None else scale
+    setup = _ACTIVE
+    if setup is None:
+        return _local_attention(query, key, value, causal, scale, sliding_window, key_padding_mask)
+    setup.calls += 1
+    keep = (torch.ones(b, length, dtype=torch.bool, device=query.device) if key_padding_mask is None
+            else key_padding_mask.to(torch.bool))
+    seq_len = length * setup.size
+    segments = [chunk_segments(seq_len, setup.size, r, setup.load_balance) for r in range(setup.size)]
+    q = query.float().reshape(b, kv_heads, heads // kv_heads, length, dim)
+    out = ALGORITHMS[setup.algorithm](
+        q, key.float(), value.float(), keep, setup.group, segments,
+        causal=causal, window=sliding_window, scale=scale,
+    )
+    return out.reshape(b, heads, length, -1).to(query.dtype)
+
+
+def _local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                     scale: float, window: int | None, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    gqa = query.shape[1] != key.shape[1]
+    if window is None and key_padding_mask is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
+    length = query.shape[2]
+    index = torch.arange(length, device=query.device)
+    allowed = torch.ones(length, length, dtype=torch.bool, device=query.device)
+    if causal:
+        allowed = allowed & (index[None, :] <= index[:, None])
+    if window is not None:
+        allowed = allowed & (index[None, :] > index[:, None] - window)
+    allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.to(torch.bool)[:, None, None, :]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,133 @@
+"""The model's own load-balancing (auxiliary) loss, from the router statistics of the whole
+data-parallel batch.
+
+transformers' `load_balancing_loss_func` (Switch Transformer, eq. 4-6) is
+num_experts x sum_e f_e x P_e, with f_e the fraction of token choices routed to expert e and
+P_e its mean router probability, both over the rows of the batch. It is a product of two batch
+means, not a mean over rows: computed on each rank's rows and averaged over ranks it is not the
+loss of the global batch (tests/test_expert_parallel.py::test_aux_loss_is_not_per_row shows the
+gap). So under expert parallelism the sums behind f and P (and the row count) are summed over
+the data-parallel ranks first; every rank then holds the one-process value, and its gradient
+(the probability sums travel through an autograd-aware all-gather) is the one-process
+gradient once FSDP averages the ranks' gradients.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd
+
+from smp.errors import ConfigError
+
+# The data-parallel group of the expert-parallel model whose forward is running, if any: the
+# patched loss function reduces over it; any other model (a reference copy) gets the original.
+_ACTIVE_GROUP: contextvars.ContextVar[dist.ProcessGroup | None] = contextvars.ContextVar("smp_moe_group", default=None)
+
+
+def _summed(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over `group`, differentiable (all-gather; its backward reduce-scatters the gradient)."""
+    gathered = all_gather_single_autograd(t.unsqueeze(0), gather_dim=0, group=group)
+    gathered = gathered.wait() if hasattr(gathered, "wait") else gathered
+    return gathered.sum(0)
+
+
+def global_load_balancing_loss(
+    gate_logits: tuple[torch.Tensor, ...] | None, num_experts: int, top_k: int = 2,
+    attention_mask: torch.Tensor | None = None, *, group: dist.ProcessGroup | None = None,
+) -> torch.Tensor | int:
+    """transformers' `load_balancing_loss_func` with its sums taken over `group` (None: this
+    rank only, which is the transformers function). Also for user models: pass the router
+    logits of each MoE layer and the data-parallel group."""
+    if gate_logits is None or not isinstance(gate_logits, tuple):
+        return 0
+    device = gate_logits[0].device
+    histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
+    tokens_per_expert_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    router_prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    total_rows = torch.zeros((), dtype=torch.float32, device=device)
+    flat_mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for layer_gate in gate_logits:
+        routing_weights = torch.nn.functional.softmax(layer_gate.to(device), dim=-1)
+        _, selected = torch.topk(routing_weights, top_k, dim=-1)
+        if flat_mask is None:
+            tokens_per_expert_sum = tokens_per_expert_sum + torch.histc(
+                selected.reshape(-1).to(histc_dtype), bins=num_experts, min=0, max=num_experts
+            )
+            router_prob_sum = router_prob_sum + routing_weights.float().sum(dim=0)
+            total_rows = total_rows + routing_weights.shape[0]
+        else:
+            tokens_per_expert_sum = tokens_per_expert_sum + torch.zeros(
+                num_experts, dtype=torch.float32, device=device
+            ).scatter_add_(0, selected.reshape(-1), flat_mask.repeat_interleave(top_k))
+            router_prob_sum = router_prob_sum + (routing_weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
+            total_rows = total_rows + flat_mask.sum()
+    if group is not None:
+        counts = torch.cat([tokens_per_expert_sum, total_rows.reshape(1)]).detach()
+        dist.all_reduce(counts, group=group)  # routing counts carry no gradient
+        tokens_per_expert_sum, total_rows = counts[:-1], counts[-1]
+        router_prob_sum = _summed(router_prob_sum, group)
+    tokens_per_expert = tokens_per_expert_sum / total_rows
+    router_prob_per_expert = router_prob_sum / total_rows
+    return torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * num_experts
+
+
+def _reduced(original: Callable[..., Any]) -> Callable[..., Any]:
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        group = _ACTIVE_GROUP.get()
+        if group is None:
+            return original(gate_logits, num_experts, top_k, attention_mask)
+        return global_load_balancing_loss(gate_logits, num_experts, top_k, attention_mask, group=group)
+
+    load_balancing_loss_func._smp_original = original  # type: ignore[attr-defined]
+    return load_balancing_loss_func
+
+
+class _GroupDuringForward:
+    """Forward hooks that make `group` the active one while the model's forward runs."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.tokens: list[contextvars.Token] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.tokens.append(_ACTIVE_GROUP.set(self.group))
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.tokens:
+            _ACTIVE_GROUP.reset(self.tokens.pop())
+
+
+def apply_load_balancing(
+    model: nn.Module, dp_group: dist.ProcessGroup, mode: str | None = None, aux_loss_coeff: float | None = None
+) -> None:
+    """Make `model`'s own load-balancing loss global over `dp_group`; `mode` ("aux_loss",
+    "none"; None keeps the model's setting) and `aux_loss_coeff` (None keeps the model's)
+    set the transformers switches `output_router_logits` and `router_aux_loss_coef`."""
+    hf_config = getattr(model, "config", None)
+    has_aux = hasattr(hf_config, "output_router_logits") and hasattr(model, "router_aux_loss_coef")
+    if (mode is not None or aux_loss_coeff is not None) and not has_aux:
+        raise ConfigError(
+            f"moe.moe_load_balancing / moe.moe_aux_loss_coeff set, but {type(model).__name__} has no "
+            "transformers load-balancing loss (config.output_router_logits, router_aux_loss_coef) for "
+            "smp to switch; compute it in your loss, e.g. with "
+            "smp.expert_parallel.global_load_balancing_loss(router_logits, num_experts, top_k, group=...)"
+        )
+    if mode is not None:
+        hf_config.output_router_logits = mode == "aux_loss"
+    if aux_loss_coeff is not None:
+        model.router_aux_loss_coef = hf_config.router_aux_loss_coef = aux_loss_coeff
+    modeling = sys.modules.get(type(model).__module__)
+    original = getattr(modeling, "load_balancing_loss_func", None)
+    if original is None:
+        return
+    if not hasattr(original, "_smp_original"):
+        modeling.load_balancing_loss_func = _reduced(original)
+    hooks = _GroupDuringForward(dp_group)
+    model.register_forward_pre_hook(hooks.enter)
+    model.register_forward_hook(hooks.exit, always_call=True)

@@ -1,0 +1,134 @@
+"""Where the expert-parallel plan comes from, and which modules and parameters it names.
+
+A plan maps module-name patterns ("*" matches one name component) to one of two styles, the
+vocabulary of transformers' `base_model_ep_plan`:
+
+- "ep_dispatch_experts" on an experts module: its tokens travel to the ranks of their experts;
+- "grouped_gemm" on one of its parameters: a [num_experts, ...] tensor split on dim 0.
+
+In order of preference: the config's `moe.plan` (or `smp.transform(..., moe_config=...)`), the
+model's own transformers plan (`config.base_model_ep_plan`: Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, ...), smp's table by `model_type`. An experts module must follow the contract in
+docs/expert-parallel.md: parameters [num_experts, ...] and
+`forward(hidden [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])` that
+returns [tokens, hidden] = sum over k of weight x expert(hidden), reading only its own
+parameters, so that it also computes correctly on a slice of its experts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from smp.errors import ConfigError
+
+DISPATCH, GROUPED = "ep_dispatch_experts", "grouped_gemm"
+STYLES = (DISPATCH, GROUPED)
+
+# Plans for families whose config ships no `base_model_ep_plan`, by model_type (relative to the
+# base model). Empty: every transformers 5.23 family with an experts module ships its own
+# (tests/test_expert_parallel.py::test_every_transformers_moe_family_ships_a_plan checks it);
+# an entry here serves a model that does not.
+SMP_TABLES: dict[str, dict[str, str]] = {}
+
+
+@dataclass(frozen=True)
+class ExpertsModule:
+    """One experts module the plan names: where, its expert count, the parameters split on dim 0."""
+
+    name: str
+    module: nn.Module
+    num_experts: int
+    param_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EPPlan:
+    source: str  # where the plan came from, for messages
+    entries: dict[str, str]
+
+
+def _base_prefix(model: nn.Module) -> str:
+    """'model.' for MixtralForCausalLM (its base model is `model.model`), '' for a base model."""
+    base = getattr(model, "base_model", model)
+    return next((name + "." for name, child in model.named_children() if child is base and base is not model), "")
+
+
+def resolve_ep_plan(model: nn.Module, config_plan: dict[str, str] | None) -> EPPlan:
+    """The plan for `model`, by the precedence in the module docstring."""
+    if config_plan:
+        return EPPlan("moe.plan in the config", dict(config_plan))
+    hf_config = getattr(model, "config", None)
+    own = getattr(hf_config, "base_model_ep_plan", None)
+    if own:
+        return EPPlan(f"{type(model).__name__}'s own transformers plan",
+                      {_base_prefix(model) + k: v for k, v in own.items()})
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in SMP_TABLES:
+        return EPPlan(f"smp's table for model_type '{model_type}'",
+                      {_base_prefix(model) + k: v for k, v in SMP_TABLES[model_type].items()})
+    return EPPlan(f"none ({type(model).__name__} ships no base_model_ep_plan)", {})
+
+
+def _pattern(p: str) -> re.Pattern[str]:
+    return re.compile("".join("[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", p)))
+
+
+def _matches(entries: dict[str, str], style: str, name: str) -> bool:
+    return any(s == style and _pattern(p).fullmatch(name) for p, s in entries.items())
+
+
+def _forward_args(module: nn.Module) -> list[str]:
+    params = inspect.signature(type(module).forward).parameters.values()
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)][1:]
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    """Its forward takes (hidden, top_k_index, top_k_weights) positionally (or *args)."""
+    args = _forward_args(module)
+    return len(args) >= 3 or any(inspect.Parameter.VAR_POSITIONAL == p.kind
+                                 for p in inspect.signature(type(module).forward).parameters.values())
+
+
+def expand_ep_plan(model: nn.Module, plan: EPPlan, degree: int) -> list[ExpertsModule]:
+    """The experts modules `plan` names in `model`, checked against `degree` (experts per rank
+    must be whole). Raises ConfigError naming the model, the expert count and the degree; runs
+    no collective."""
+    bad = {p: s for p, s in plan.entries.items() if s not in STYLES}
+    if bad:
+        raise ConfigError(f"expert-parallel plan ({plan.source}) has unknown styles {bad}; styles: {', '.join(STYLES)}")
+    model_name = type(model).__name__
+    found = []
+    for name, module in model.named_modules():
+        if not _matches(plan.entries, DISPATCH, name):
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        named = tuple(p for p in params if _matches(plan.entries, GROUPED, f"{name}.{p}"))
+        names = named or tuple(params)  # a plan naming only the module splits all its own parameters
+        rows = {p: params[p].shape[0] if params[p].dim() else 0 for p in names}
+        num_experts = getattr(module, "num_experts", None) or next(iter(rows.values()), 0)
+        if not names or any(r != num_experts for r in rows.values()) or not _takes_routing(module):
+            raise ConfigError(
+                f"{model_name}: experts module '{name}' ({type(module).__name__}) must hold "
+                f"[num_experts={num_experts}, ...] parameters to split over expert_parallel_degree="
+                f"{degree} and a forward(hidden_states, top_k_index, top_k_weights); its parameters "
+                f"have leading sizes {rows or 'none'}, its forward takes {_forward_args(module)} "
+                "(contract: docs/expert-parallel.md)"
+            )
+        if num_experts % degree:
+            raise ConfigError(
+                f"{model_name}: '{name}' holds {num_experts} experts, which expert_parallel_degree="
+                f"{degree} does not divide; choose a degree that divides {num_experts}"
+            )
+        found.append(ExpertsModule(name, module, num_experts, names))
+    if not found:
+        raise ConfigError(
+            f"expert_parallel_degree={degree} but {model_name} has no mixture-of-experts layer the "
+            f"expert-parallel plan names (plan: {plan.source}: {plan.entries or '{}'}); use "
+            "expert_parallel_degree: 1 for a dense model, or name its experts modules: "
+            "moe: {plan: {'layers.*.moe.experts': 'ep_dispatch_experts'}}"
+        )
+    return found

@@ -1,0 +1,363 @@
+"""Rank-side cases of tests/test_checkpoint_trust.py: a checkpoint is untrusted input.
+
+Each case saves a real checkpoint, damages or forges it the way an accident or an attacker
+would (rank 0 edits the files, then every rank loads), and reports what `load`, `latest` and
+`keep_last` did. A forger rewrites the digests in smp_meta.json too (`_forge`): the digests
+catch accidents, the allow-lists must stop the code.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import pickle
+import shutil
+
+import torch
+import torch.distributed as dist
+
+import smp
+from smp.checkpointing import digest
+from smp.testing.distributed import full_tensor, local_rows
+from smp.testing.models import TinyTransformer, loss_of, random_batch
+
+GLOBAL_BATCH, SEQ = 8, 16
+
+
+class Payload:
+    """Unpickling this runs `os.mkdir(marker)`: the proof that a load executed code."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def _rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _unchanged(before: dict, model) -> bool:
+    after = _params(model)
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _train_step(model, opt, seed: int = 3) -> None:
+    loss_of(model, local_rows(random_batch(GLOBAL_BATCH, SEQ, 128, seed=seed))).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _error(fn, *args, **kwargs) -> str:
+    """The CheckpointError's message, "" when none; any other exception type is reported by
+    name (the cases assert on it: a KeyError or a BaseException from DCP is a bug)."""
+    try:
+        fn(*args, **kwargs)
+    except smp.CheckpointError as e:
+        return str(e)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return f"NOT A CheckpointError: {type(e).__name__}: {e}"
+    return ""
+
+
+def _on_rank0(fn) -> None:
+    if _rank0():
+        fn()
+    dist.barrier()
+
+
+def _copy(src: str, dst: str) -> str:
+    _on_rank0(lambda: shutil.copytree(src, dst, symlinks=True))
+    return dst
+
+
+def _forge(path: str, rel: str) -> None:
+    """(rank 0) Rewrite smp_meta.json's record of `rel` to match the file as it is now."""
+    meta_file = os.path.join(path, "smp_meta.json")
+    meta = json.load(open(meta_file))
+    full = os.path.join(path, rel)
+    meta.setdefault("files", {})[rel] = {"bytes": os.path.getsize(full), "digest": digest.file_digest(full, "xxh3_64")}
+    json.dump(meta, open(meta_file, "w"))
+
+
+def _write(path: str, rel: str, data: bytes, forge: bool) -> None:
+    def edit():
+        with open(os.path.join(path, rel), "wb") as f:
+            f.write(data)
+        if forge:
+            _forge(path, rel)
+    _on_rank0(edit)
+
+
+def _fresh(optim: bool = True, **options):
+    model = smp.transform(TinyTransformer())
+    return model, (torch.optim.AdamW(model.parameters(), lr=1e-2, **options) if optim else None)
+
+
+def _saved(root: str, name: str = "good") -> tuple[str, dict]:
+    """A trained model + AdamW checkpoint with an `extra`; its parameters."""
+    model, opt = _fresh()
+    _train_step(model, opt)
+    path = os.path.join(root, name)
+    smp.checkpointing.save(path, model, opt, extra={"step": 1, "sched": {"lr": [0.01], "last_epoch": 1}})
+    return path, _params(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Security: loading never runs code from the checkpoint
+
+
+def no_code_runs(config: dict, root: str) -> dict:
+    with smp.session(config):
+        ck = smp.checkpointing
+        good, _ = _saved(root)
+        marker = os.path.join(root, "PWNED")
+        out: dict = {}
+
+        def attempt(key: str, path: str, **kwargs) -> None:
+            model, opt = _fresh()
+            before = _params(model)
+            out[key] = _error(ck.load, path, model, opt, **kwargs)
+            out[key + "_ran_code"] = os.path.exists(marker)
+            out[key + "_model_unchanged"] = _unchanged(before, model) and not opt.state
+            _on_rank0(lambda: os.path.exists(marker) and os.rmdir(marker))
+
+        # The extra-state file: a __reduce__ payload, digest forged to match.
+        buffer = io.BytesIO()
+        torch.save({"extra": Payload(marker), "rng": {}}, buffer)  # what today's loader reads
+        evil_extra = buffer.getvalue()
+        path = _copy(good, os.path.join(root, "evil_extra"))
+        for r in range(dist.get_world_size()):
+            _write(path, f"smp_extra/rank_{r}.pt", evil_extra, forge=True)
+        attempt("extra", path)
+        # ... the same file, digest not forged: refused as damaged before it is even unpickled.
+        path = _copy(good, os.path.join(root, "evil_extra_unforged"))
+        _write(path, "smp_extra/rank_0.pt", evil_extra, forge=False)
+        attempt("extra_unforged", path)
+        # DCP's .metadata: a bare payload, and one hidden inside otherwise valid metadata.
+        path = _copy(good, os.path.join(root, "evil_metadata"))
+        _write(path, ".metadata", pickle.dumps(Payload(marker)), forge=True)
+        attempt("metadata", path)
+        from smp.checkpointing.safe_read import read_dcp_metadata
+
+        md = read_dcp_metadata(good)
+        md.planner_data = {"x": Payload(marker)}
+        path = _copy(good, os.path.join(root, "evil_metadata_nested"))
+        _write(path, ".metadata", pickle.dumps(md), forge=True)
+        attempt("metadata_nested", path)
+        # A non-tensor entry inside the shards (an optimizer hyperparameter): smp's own save
+        # writes it with valid digests, DCP's reader would torch.load it with weights_only=False.
+        model, opt = _fresh()
+        opt.param_groups[0]["lr"] = Payload(marker)
+        ck.save(os.path.join(root, "evil_bytes"), model, opt)
+        attempt("bytes", os.path.join(root, "evil_bytes"))
+        # The same for a safe checkpoint whose extra is an arbitrary object: refused unless the
+        # caller trusts it; with allow_pickle=True it loads (that is what the opt-in means).
+        model, opt = _fresh()
+        ck.save(os.path.join(root, "odd_extra"), model, opt, extra={"cls": Payload})
+        out["odd_extra"] = _error(ck.load, os.path.join(root, "odd_extra"), *_fresh())
+        out["odd_extra_trusted"] = _error(ck.load, os.path.join(root, "odd_extra"), *_fresh(), allow_pickle=True)
+
+        # Files outside the folder: .metadata pointing at ../ and at an absolute path.
+        outside = os.path.join(root, "outside")
+        _on_rank0(lambda: os.makedirs(outside))
+        for key, prefix in (("dotdot", "../outside/"), ("absolute", outside + "/")):
+            md = read_dcp_metadata(good)
+            for info in md.storage_data.values():
+                info.relative_path = prefix + info.relative_path
+            path = _copy(good, os.path.join(root, f"escape_{key}"))
+            _on_rank0(lambda: [shutil.copy(os.path.join(good, f), outside) for f in os.listdir(good)
+                               if f.endswith(".distcp")])
+            _write(path, ".metadata", pickle.dumps(md), forge=True)
+            attempt(key, path)
+        # A data file replaced by a symbolic link to a copy of itself (same bytes, same digest).
+        path = _copy(good, os.path.join(root, "symlinked"))
+        shard = f"__{dist.get_world_size() - 1}_0.distcp"
+
+        def link():
+            shutil.move(os.path.join(path, shard), os.path.join(outside, "moved.distcp"))
+            os.symlink(os.path.join(outside, "moved.distcp"), os.path.join(path, shard))
+        _on_rank0(link)
+        attempt("symlink", path)
+        out["shard"] = shard
+        out["ok"] = _error(ck.load, good, *_fresh())  # the untouched checkpoint loads
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Integrity: damage is found before anything is copied into the model
+
+
+def damage_is_refused(config: dict, root: str) -> dict:
+    with smp.session(config):
+        ck = smp.checkpointing
+        world = dist.get_world_size()
+        first, _ = _saved(root, "step_1")
+        good, saved = _saved(root, "step_2")
+        out: dict = {}
+
+        def attempt(key: str, path: str, **options) -> None:
+            model, opt = _fresh(**options)
+            _train_step(model, opt, seed=11)  # live state that a failed load must not touch
+            before = _params(model)
+            state_before = {k: {n: full_tensor(t).clone() for n, t in s.items() if torch.is_tensor(t)}
+                            for k, s in opt.state.items()}
+            out[key] = _error(ck.load, path, model, opt)
+            out[key + "_unchanged"] = _unchanged(before, model) and all(
+                torch.equal(full_tensor(opt.state[k][n]), v) for k, s in state_before.items() for n, v in s.items())
+
+        shard = f"__{world - 1}_0.distcp"
+        data = open(os.path.join(good, shard), "rb").read()
+        path = _copy(good, os.path.join(root, "flipped"))
+        middle = len(data) // 2
+        _write(path, shard, data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:], forge=False)
+        attempt("flipped", path)
+        path = _copy(good, os.path.join(root, "truncated"))
+        _write(path, "__0_0.distcp", open(os.path.join(good, "__0_0.distcp"), "rb").read()[:-1000], forge=False)
+        attempt("truncated", path)
+        path = _copy(good, os.path.join(root, "truncated_extra"))
+        extra = f"smp_extra/rank_{world - 1}.pt"
+        _write(path, extra, open(os.path.join(good, extra), "rb").read()[:100], forge=False)
+        attempt("truncated_extra", path)
+        # A failure inside DCP itself, after every check passed: the read raises half-way.
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        original = FileSystemReader.read_data
+
+        def read_then_fail(self, plan, planner):
+            original(self, plan, planner)  # the tensors are filled: only a copy may have been
+            raise OSError(errno.EIO, "injected read error")
+
+        FileSystemReader.read_data = read_then_fail
+        try:
+            attempt("dcp_fails", good)
+        finally:
+            FileSystemReader.read_data = original
+
+        # Tampered smp_meta.json: valid JSON of the wrong shape, missing fields, not JSON, empty.
+        meta = open(os.path.join(good, "smp_meta.json")).read()
+        no_files = json.loads(meta)
+        del no_files["files"], no_files["params"]
+        for key, text in (("meta_list", "[1, 2]"), ("meta_missing", json.dumps(no_files)),
+                          ("meta_not_json", meta[: len(meta) // 2]), ("meta_empty", "")):
+            path = _copy(good, os.path.join(root, key))
+            _write(path, "smp_meta.json", text.encode(), forge=False)
+            attempt(key, path)
+        # Optimizer built with other options than the saved one.
+        attempt("amsgrad", good, amsgrad=True)
+        model = smp.transform(TinyTransformer())
+        two_groups = torch.optim.AdamW([{"params": list(model.parameters())[:2]},
+                                        {"params": list(model.parameters())[2:]}], lr=1e-2)
+        out["param_groups"] = _error(ck.load, good, model, two_groups)
+        out["param_groups_untouched"] = not two_groups.state
+        # A deleted data file: latest() skips the checkpoint; loading it names the file.
+        latest_root = os.path.join(root, "latest_root")
+        _copy(first, os.path.join(latest_root, "step_1"))
+        _copy(good, os.path.join(latest_root, "step_2"))
+        out["latest_before"] = os.path.basename(ck.latest(latest_root))
+        _on_rank0(lambda: os.remove(os.path.join(latest_root, "step_2", shard)))
+        out["latest_after_delete"] = os.path.basename(ck.latest(latest_root))
+        attempt("deleted", os.path.join(latest_root, "step_2"))
+        out["shard"] = shard
+        model, opt = _fresh()
+        out["ok"] = _error(ck.load, good, model, opt)  # the untouched checkpoint loads exactly
+        out["ok_exact"] = _unchanged(saved, model)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. keep_last and latest() in a root shared with the user and with other runs
+
+
+def shared_root(config: dict, root: str) -> dict:
+    with smp.session(config):
+        ck = smp.checkpointing
+        model, _ = _fresh(optim=False)
+        other = os.path.join(os.path.dirname(root), "other_run")
+        ck.save(os.path.join(other, "step_100"), model, extra={"step": 100})  # same run, other root
+        ck.save(os.path.join(root, "theirs_step_0"), model, extra={"step": 0})
+
+        def populate():
+            notes = os.path.join(root, ".my_notes.partial")
+            os.makedirs(notes)
+            open(os.path.join(notes, "todo.txt"), "w").write("mine")
+            marker = os.path.join(root, "theirs_step_0", "smp_commit.json")  # another run's save
+            data = json.load(open(marker))
+            data["run_id"] = "another-run"
+            json.dump(data, open(marker, "w"))
+            os.symlink(os.path.join(other, "step_100"), os.path.join(root, "best"))
+        _on_rank0(populate)
+        for step in range(1, 5):
+            ck.save(os.path.join(root, f"step_{step}"), model, extra={"step": step}, keep_last=2)
+            if step == 2:
+                _on_rank0(lambda: os.symlink("step_2", os.path.join(root, "latest")))
+
+        def skew_clocks():
+            # Wall clocks say step_3 is newest (a node whose clock ran ahead); mtimes agree.
+            marker = os.path.join(root, "step_3", "smp_commit.json")
+            data = json.load(open(marker))
+            data["committed_at_ns"] *= 2
+            json.dump(data, open(marker, "w"))
+            os.utime(os.path.join(root, "step_3"), (4e9, 4e9))
+        _on_rank0(skew_clocks)
+        latest = ck.latest(root)
+        return {
+            "listing": sorted(os.listdir(root)),
+            "notes_kept": os.path.exists(os.path.join(root, ".my_notes.partial", "todo.txt")),
+            "theirs_loads": ck.load(os.path.join(root, "theirs_step_0"), model) == {"step": 0},
+            "other_run_loads": ck.load(os.path.join(other, "step_100"), model) == {"step": 100},
+            "links": (os.readlink(os.path.join(root, "latest")), os.readlink(os.path.join(root, "best"))),
+            "latest": os.path.basename(latest),
+            "latest_step": ck.load(latest, model)["step"],
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A full disk
+
+
+def disk_full(config: dict, root: str, inject: bool) -> dict:
+    """Save step_1, train, then save step_2 (sync, then async) on a disk that fills up: a real
+    small tmpfs at `root`, or (`inject`) a writer that raises ENOSPC on the last rank."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    with smp.session(config):
+        ck = smp.checkpointing
+        model, opt = _fresh()
+        _train_step(model, opt)
+        ck.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
+        at_1 = _params(model)
+        _train_step(model, opt, seed=5)
+        original = FileSystemWriter.write_data
+        if inject:
+            def full(self, plan, planner):
+                if dist.get_rank() == dist.get_world_size() - 1:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                return original(self, plan, planner)
+            FileSystemWriter.write_data = full
+        out = {}
+        try:
+            out["sync"] = _error(ck.save, os.path.join(root, "step_2"), model, opt, extra={"step": 2})
+            dist.barrier()
+            out["sync_listing"] = sorted(os.listdir(root))
+
+            def async_save():
+                ck.save(os.path.join(root, "step_2"), model, opt, extra={"step": 2}, async_save=True)
+                ck.wait()
+            out["async"] = _error(async_save)
+            dist.barrier()
+            out["async_listing"] = sorted(os.listdir(root))
+        finally:
+            FileSystemWriter.write_data = original
+        fresh, fresh_opt = _fresh()
+        out["latest"] = os.path.basename(ck.latest(root))
+        out["step"] = ck.load(ck.latest(root), fresh, fresh_opt)["step"]
+        out["intact"] = _unchanged(at_1, fresh)
+        return out

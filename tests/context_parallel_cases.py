@@ -1,0 +1,276 @@
+"""Context-parallel cases that run on every rank of a RankPool; each returns plain data.
+
+The reference (one process, the whole global batch, the model's own attention) runs first, on a
+copy of the same init, before smp.transform activates context parallel attention in the process;
+then the cp run replays the same steps and is compared step by step (loss and every gradient).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import smp
+import smp.context_parallel as cp
+from smp.context_parallel import allgather, ring, sharding
+from smp.testing.distributed import full_tensor, local_rows, world_mean
+from smp.testing.models import random_batch, tiny_llama
+
+GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
+PAD = 5  # right padding of rows 0 and 2 (one row per data-parallel group at dp = 2: equal counts)
+
+
+class UserBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        a = cp.attention(q, k, v, causal=True, key_padding_mask=padding)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, -1))
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+
+class UserModel(nn.Module):
+    """A user's model: learned absolute positions (read from position_ids), attention through
+    smp.context_parallel.attention, blocks in an nn.ModuleList."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, hidden: int = 64, layers: int = 2, max_len: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(max_len, dim)
+        self.layers = nn.ModuleList(UserBlock(dim, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) + self.positions(position_ids)
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return self.head(self.norm(x))
+
+
+def build(kind: str) -> nn.Module:
+    """Tiny models, dropout 0. Every HF kind is GQA (4 heads / 2 key-value heads)."""
+    if kind == "llama":
+        return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
+    if kind == "qwen2":  # sliding window 5 on every layer: windows cross the chunk boundaries
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+            use_sliding_window=True, sliding_window=5, max_window_layers=0,
+        ))
+    if kind == "mistral":  # sliding window 6
+        from transformers import MistralConfig, MistralForCausalLM
+
+        return MistralForCausalLM(MistralConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=6,
+        ))
+    if kind == "user":
+        return UserModel()
+    raise ValueError(kind)
+
+
+def global_batch(padding: bool) -> dict[str, torch.Tensor]:
+    ids = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
+    if not padding:
+        return {"input_ids": ids}
+    mask = torch.ones_like(ids)
+    mask[0, -PAD:] = 0
+    mask[2, -PAD:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss on a `shard_batch` result (user model) or the model's own loss."""
+    if isinstance(model, UserModel):
+        logits = model(batch["input_ids"], batch["position_ids"], batch.get("attention_mask"))
+        return cp.token_loss(logits, batch)
+    return model(**batch).loss
+
+
+def reference_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One process, whole sequences. HF models shift their labels themselves (an independent
+    check of smp's global shift); the user model uses the same loss on the unsharded batch."""
+    if isinstance(model, UserModel):
+        return loss_of(model, sharding.shard_batch(batch, cp_size=1, cp_rank=0, load_balance=False))
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+@contextlib.contextmanager
+def _corrupted(kind: str | None) -> Iterator[None]:
+    """Mutations the comparison must catch: `drop_lse` merges partial outputs without their
+    log-sum-exp weights; `skip_step` drops every key/value block but the rank's own."""
+    if kind is None:
+        yield
+        return
+    saved = ring.merge, allgather.merge, ring.block_forward, allgather.block_forward
+    if kind == "drop_lse":
+        def bad_merge(out, lse, part_out, part_lse):
+            return out + part_out, torch.logaddexp(lse, part_lse)
+        ring.merge = allgather.merge = bad_merge
+    elif kind == "skip_step":
+        real = ring.block_forward
+
+        def bad_block(q, k, v, keep, q_segments, k_segments, **kw):
+            out, lse = real(q, k, v, keep, q_segments, k_segments, **kw)
+            if q_segments != k_segments:
+                return torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+            return out, lse
+        ring.block_forward = allgather.block_forward = bad_block
+    else:
+        raise ValueError(kind)
+    try:
+        yield
+    finally:
+        ring.merge, allgather.merge, ring.block_forward, allgather.block_forward = saved
+
+
+def equivalence(config: dict, kind: str, steps: int = 2, padding: bool = False,
+                corrupt: str | None = None) -> dict:
+    """cp (x FSDP / TP / checkpointing) run vs the single-process run: same init, same global
+    batch, SGD steps; max |loss gap| and max |gradient gap| over the steps."""
+    with smp.session(config):
+        torch.manual_seed(smp.state.config.random_seed)
+        reference = build(kind)
+        model = copy.deepcopy(reference)
+        batch = global_batch(padding)
+
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        ref_losses, ref_grads = [], []
+        for _ in range(steps):
+            loss = reference_loss(reference, batch)
+            loss.backward()
+            ref_losses.append(float(loss.detach()))
+            ref_grads.append({n: p.grad.clone() for n, p in reference.named_parameters()})
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+        model = smp.transform(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rows = {name: local_rows(t) for name, t in batch.items()}
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses, "cp_rank": smp.state.cp_rank,
+                  "cp_size": smp.state.cp_size, "dp_rank": smp.state.dp_rank,
+                  "attn": getattr(model.config, "_attn_implementation", None) if hasattr(model, "config") else None}
+        with _corrupted(corrupt):
+            for step in range(steps):
+                loss = loss_of(model, cp.shard_batch(rows))
+                loss.backward()
+                report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - ref_losses[step]))
+                gap = max(float((full_tensor(p.grad) - ref_grads[step][n]).abs().max())
+                          for n, p in model.named_parameters())
+                report["grad_diff"] = max(report["grad_diff"], gap)
+                opt.step()
+                opt.zero_grad()
+        return report
+
+
+def shard_error(config: dict, seq_len: int) -> str:
+    """The error shard_batch raises for a sequence length ('' if none)."""
+    with smp.session(config):
+        smp.transform(build("llama"))
+        try:
+            cp.shard_batch(random_batch(2, seq_len, VOCAB, seed=0))
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+
+def transform_error(config: dict, kind: str) -> str:
+    """The error smp.transform (or the first forward) raises for a model ('' if none)."""
+    with smp.session(config):
+        try:
+            model = smp.transform(_bad_model(kind))
+            model(random_batch(2, SEQ // 2, VOCAB, seed=0))
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+
+class _MHAModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class _LocalAttentionModel(nn.Module):
+    """Attention computed inline with F.scaled_dot_product_attention: smp cannot see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.embed(ids)).chunk(3, dim=-1)
+        return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], is_causal=True)
+
+
+def _bad_model(kind: str) -> nn.Module:
+    if kind == "mha":
+        return _MHAModel()
+    if kind == "inline_sdpa":
+        return _LocalAttentionModel()
+    if kind == "gemma2_softcap":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        return Gemma2ForCausalLM(Gemma2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, attn_logit_softcapping=50.0,
+        ))
+    if kind == "attention_dropout":
+        return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, attention_dropout=0.1)
+    raise ValueError(kind)
+
+
+def _step_loss(model: nn.Module) -> torch.Tensor:
+    """The loss on this rank's part of the padded global batch (rows by dp rank, then chunks)."""
+    rows = {name: local_rows(t) for name, t in global_batch(padding=True).items()}
+    return loss_of(model, cp.shard_batch(rows))
+
+
+def checkpoint_round_trip(path: str, save_cp: int, load_cp: int) -> dict:
+    """Train one step at context_parallel_degree `save_cp` and save; resume at `load_cp` from a
+    different init: the parameters must come back bit for bit and the next loss must agree."""
+    with smp.session({"context_parallel_degree": save_cp}):
+        torch.manual_seed(0)
+        model = smp.transform(build("llama"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _step_loss(model).backward()
+        opt.step()
+        opt.zero_grad()
+        smp.checkpointing.save(path, model, opt)
+        saved = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+        next_loss = world_mean(_step_loss(model))
+    with smp.session({"context_parallel_degree": load_cp}):
+        torch.manual_seed(1)
+        model = smp.transform(build("llama"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        smp.checkpointing.load(path, model, opt)
+        param_diff = max(float((full_tensor(p.detach()) - saved[n]).abs().max()) for n, p in model.named_parameters())
+        loss_diff = abs(world_mean(_step_loss(model)) - next_loss)
+        return {"param_diff": param_diff, "loss_diff": loss_diff}

@@ -1,0 +1,98 @@
+"""A checkpoint is untrusted input: loading never runs code from it, damage is refused before the
+model changes, keep_last deletes only what this run wrote, and a full disk is a clear error.
+
+Each case checks what load / latest / keep_last / save did on every rank (tests/
+checkpoint_trust_cases.py). Beside each refusal the untouched checkpoint loads (`ok`), so the
+checks cannot pass by refusing everything. Before this change, each of these assertions failed:
+the payloads created their marker folder, DCP's CheckpointException (a BaseException) or a
+KeyError escaped, a flipped byte loaded silently, keep_last deleted the user's folder, another
+run's checkpoint and a symlink's target, and a full disk left a RuntimeError and a partial folder.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests import checkpoint_trust_cases as cases
+
+
+def _refused(message: str, *expected: str) -> bool:
+    return message.startswith("NOT A") is False and bool(message) and all(e in message for e in expected)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_loading_never_runs_code(ranks, tmp_path, world):
+    for r in ranks(world).run(cases.no_code_runs, config={}, root=str(tmp_path)):
+        assert r["ok"] == "", r["ok"]
+        for key in ("extra", "extra_unforged", "metadata", "metadata_nested", "bytes", "dotdot", "absolute", "symlink"):
+            assert r[key] and not r[key].startswith("NOT A"), (key, r[key])
+            assert not r[key + "_ran_code"], key
+            assert r[key + "_model_unchanged"], key
+        assert "allow_pickle=True" in r["extra"], r["extra"]
+        assert "smp_extra/rank_0.pt" in r["extra_unforged"] and "replaced" in r["extra_unforged"]
+        assert "posix.mkdir" in r["metadata"] and "not part of DCP metadata" in r["metadata"], r["metadata"]
+        assert "posix.mkdir" in r["metadata_nested"], r["metadata_nested"]
+        assert "points outside the checkpoint folder" in r["dotdot"], r["dotdot"]
+        assert "points outside the checkpoint folder" in r["absolute"], r["absolute"]
+        assert r["shard"] in r["symlink"] and "symbolic link" in r["symlink"], r["symlink"]
+        assert "allow_pickle=True" in r["odd_extra"] and r["odd_extra_trusted"] == "", r
+
+
+def test_damage_is_refused_before_loading(ranks, tmp_path):
+    for r in ranks(2).run(cases.damage_is_refused, config={}, root=str(tmp_path)):
+        assert r["ok"] == "" and r["ok_exact"], r
+        assert _refused(r["flipped"], r["shard"], "digest"), r["flipped"]
+        assert _refused(r["truncated"], "__0_0.distcp", "truncated"), r["truncated"]
+        assert _refused(r["truncated_extra"], "smp_extra/rank_1.pt"), r["truncated_extra"]
+        assert _refused(r["dcp_fails"], "injected read error", "unchanged"), r["dcp_fails"]
+        for key in ("meta_list", "meta_missing", "meta_not_json", "meta_empty"):
+            assert _refused(r[key], "smp_meta.json"), (key, r[key])
+        assert "'files'" in r["meta_missing"] and "'params' is missing" in r["meta_missing"], r["meta_missing"]
+        assert _refused(r["amsgrad"], "amsgrad=False in the checkpoint, True here"), r["amsgrad"]
+        assert _refused(r["param_groups"], "1 parameter groups in the checkpoint, 2 here"), r["param_groups"]
+        assert r["param_groups_untouched"]
+        assert (r["latest_before"], r["latest_after_delete"]) == ("step_2", "step_1"), r
+        assert _refused(r["deleted"], r["shard"], "missing"), r["deleted"]
+        for key in ("flipped", "truncated", "truncated_extra", "dcp_fails", "meta_list", "meta_missing",
+                    "meta_not_json", "meta_empty", "amsgrad", "deleted"):
+            assert r[key + "_unchanged"], key  # model and optimizer state exactly as before
+
+
+def test_keep_last_and_latest_in_a_shared_root(ranks, tmp_path):
+    root = tmp_path / "root"
+    for r in ranks(2).run(cases.shared_root, config={}, root=str(root)):
+        # Only this run's older checkpoints went; the user's folder, the other run's checkpoint
+        # and both links stayed (the link to step_2 now dangles: step_2 itself was rotated).
+        assert r["listing"] == [".my_notes.partial", "best", "latest", "step_3", "step_4", "theirs_step_0"], r
+        assert r["notes_kept"] and r["theirs_loads"] and r["other_run_loads"], r
+        assert r["links"] == ("step_2", str(tmp_path / "other_run" / "step_100")), r
+        # Save order, not the (skewed) commit clock or mtime.
+        assert r["latest"] == "step_4" and r["latest_step"] == 4, r
+
+
+def _disk_full_checks(results: list[dict]) -> None:
+    for r in results:
+        for mode in ("sync", "async"):
+            assert _refused(r[mode], "disk full", "MiB"), (mode, r[mode])
+            assert r[mode + "_listing"] == ["step_1"], (mode, r)  # partial files removed
+        assert r["latest"] == "step_1" and r["step"] == 1 and r["intact"], r
+
+
+def test_disk_full_injected(ranks, tmp_path):
+    _disk_full_checks(ranks(2).run(cases.disk_full, config={}, root=str(tmp_path), inject=True))
+
+
+def test_disk_full_on_a_real_small_filesystem(ranks, tmp_path):
+    """A 900 KiB tmpfs: step_1 (about 560 KiB) fits, step_2 does not. Needs root."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=900k", "tmpfs", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        _disk_full_checks(ranks(2).run(cases.disk_full, config={}, root=str(small), inject=False))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
