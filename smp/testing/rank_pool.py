@@ -78,6 +78,20 @@ def _reset_smp() -> None:
         pass
 
 
+# Every smp.session builds new DeviceMesh sub-groups, and gloo keeps native threads of groups
+# that ran async work alive even after they are destroyed (docs/platform.md). Over hundreds of
+# cases a worker collects thousands of threads and the whole machine slows down, so a pool
+# whose workers pass this many threads is restarted before its next case.
+MAX_WORKER_THREADS = 400
+
+
+def _thread_count(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:  # no /proc (not Linux) or the process is gone: never restart for this
+        return 0
+
+
 class RankPool:
     def __init__(self, world_size: int, start_timeout: float = 120.0):
         self.world_size = world_size
@@ -118,6 +132,8 @@ class RankPool:
         return results
 
     def run(self, fn: Callable, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        if self._procs and max(_thread_count(p.pid) for p in self._procs) > MAX_WORKER_THREADS:
+            self.close()
         if not self._procs:
             self._start()
         msg = (fn.__module__, fn.__name__, args, kwargs)
