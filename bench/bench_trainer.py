@@ -167,7 +167,9 @@ def worker(a: argparse.Namespace) -> None:
     result = _run(a.worker, a)
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    # By the torchrun rank, not the process group: a Trainer run may have torn its group down
+    # by now, and two ranks writing one file interleave.
+    if int(os.environ.get("RANK", "0")) == 0:
         Path(a.out).write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()

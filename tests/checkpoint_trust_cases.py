@@ -262,6 +262,7 @@ def damage_is_refused(config: dict, root: str) -> dict:
         _copy(first, os.path.join(latest_root, "step_1"))
         _copy(good, os.path.join(latest_root, "step_2"))
         out["latest_before"] = os.path.basename(ck.latest(latest_root))
+        dist.barrier()  # every rank has looked before rank 0 deletes (else a slow rank sees step_1)
         _on_rank0(lambda: os.remove(os.path.join(latest_root, "step_2", shard)))
         out["latest_after_delete"] = os.path.basename(ck.latest(latest_root))
         attempt("deleted", os.path.join(latest_root, "step_2"))
