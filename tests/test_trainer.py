@@ -166,6 +166,7 @@ def test_sft_trainer_matches_single_process(ranks, tmp_path):
     for r in results:
         assert r["checkpointed_blocks"] == 2  # the tiny Llama's two decoder layers
         assert r["caller_gradient_checkpointing"] and not r["trainer_gradient_checkpointing"]
+        assert r["checkpoint_committed"] and r["model_card"], r
 
 
 def test_conflicting_settings_are_refused(tmp_path, monkeypatch):
@@ -201,3 +202,28 @@ def test_conflicting_settings_are_refused(tmp_path, monkeypatch):
         SMPTrainer(model=trainer_cases.build_model(lora=True), args=trainer_cases.training_args(str(tmp_path), 1),
                    train_dataset=data, smp_config={"tensor_parallel_degree": 2})
     assert not smp.is_initialized()  # nothing started: every refusal came first
+
+
+def test_shadowed_save_checkpoint_steps(caplog):
+    """smp's _save_checkpoint sits in front of a subclass's: TRL's one extra step (the model card)
+    is taken by smp (test_sft_trainer_matches_single_process checks the file); any other
+    subclass's override is named in a warning, not dropped silently."""
+    import logging
+
+    from transformers import Trainer
+
+    from smp.integrations.trainer import _shadowed_save_steps, smp_trainer_class
+
+    class ExtraFilesTrainer(Trainer):
+        def _save_checkpoint(self, model, trial):
+            super()._save_checkpoint(model, trial)
+
+    with caplog.at_level(logging.WARNING, logger="smp.integrations.trainer"):
+        smp_trainer_class(ExtraFilesTrainer)
+    assert "ExtraFilesTrainer" in caplog.text and "TrainerCallback.on_save" in caplog.text
+    trl = pytest.importorskip("trl")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="smp.integrations.trainer"):
+        smp_trainer_class(trl.SFTTrainer)
+    assert not caplog.text
+    assert trl.SFTTrainer in _shadowed_save_steps(trl.SFTTrainer)[0]

@@ -178,7 +178,7 @@ def _sft_example():
     return module
 
 
-def _sft_parts(output_dir: str, dp: int):
+def _sft_parts(output_dir: str, dp: int, save_at_end: bool = False):
     """(model, tokenizer, dataset, SFTConfig) as the example builds them. TRL's defaults stay:
     gradient_checkpointing=True (smp maps it onto its own); bf16 is off because fp32 is what
     makes the runs comparable to 1e-5."""
@@ -197,7 +197,8 @@ def _sft_parts(output_dir: str, dp: int):
         dataset = Dataset.from_list([json.loads(line) for line in f if line.strip()])
     config = SFTConfig(
         output_dir=output_dir, max_steps=SFT_STEPS, per_device_train_batch_size=GLOBAL_BATCH // dp,
-        learning_rate=1e-2, max_length=256, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+        learning_rate=1e-2, max_length=256, logging_steps=1, report_to=[], seed=0,
+        save_strategy="steps" if save_at_end else "no", save_steps=SFT_STEPS,
         disable_tqdm=True, dataloader_num_workers=0, use_cpu=True, bf16=False,
     )
     return model, tokenizer, dataset, config
@@ -222,7 +223,7 @@ def sft_train(config: dict, output_dir: str) -> dict:
     from smp.integrations import smp_trainer_class
 
     with smp.session(config):
-        model, tokenizer, dataset, args = _sft_parts(output_dir, smp.state.dp_size)
+        model, tokenizer, dataset, args = _sft_parts(output_dir, smp.state.dp_size, save_at_end=True)
         trainer = smp_trainer_class(SFTTrainer)(model=model, args=args, train_dataset=dataset,
                                                 processing_class=tokenizer, smp_config=config)
         trainer.train()
@@ -231,4 +232,7 @@ def sft_train(config: dict, output_dir: str) -> dict:
             "checkpointed_blocks": sum(is_checkpointed(m) for m in trainer.model.modules()),
             "trainer_gradient_checkpointing": trainer.args.gradient_checkpointing,
             "caller_gradient_checkpointing": args.gradient_checkpointing,
+            # TRL's own _save_checkpoint step, taken by smp's: a draft model card in output_dir.
+            "model_card": os.path.isfile(os.path.join(output_dir, "README.md")),
+            "checkpoint_committed": smp.checkpointing.latest(output_dir) is not None,
         }

@@ -51,9 +51,13 @@ def file_digest(path: str, algo: str) -> str:
             crc = zlib.crc32(chunk, crc)
     else:
         raise RuntimeError(f"unknown digest algorithm {algo!r}")
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            update(chunk)
+    # readinto one reused buffer: no new bytes object per chunk (about 1.5-2x faster than
+    # read() from the page cache). Not mmap: a file truncated while mapped kills the process.
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            update(view[:n])
     return f"{algo}:{h.hexdigest() if algo == 'xxh3_64' else format(crc, '08x')}"
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import Any
 
@@ -41,6 +42,8 @@ from smp.integrations.mapping import map_training_arguments
 from smp.integrations.peft import is_peft_model, save_adapter
 from smp.integrations.saving import export_hf_folder
 from smp.transform import apply_parallelism
+
+log = logging.getLogger(__name__)
 
 
 def _resolve_config(source: ConfigSource) -> SMPConfig:
@@ -212,6 +215,15 @@ class SMPTrainerMixin:
             # authoritative copy of the state is the one inside the committed checkpoint.
             self.state.save_to_json(os.path.join(path, TRAINER_STATE_NAME))
             torch.save(self.args, os.path.join(path, TRAINING_ARGS_NAME))
+        if _shadowed_save_steps(type(self))[0]:
+            self._write_trl_model_card()
+
+    def _write_trl_model_card(self) -> None:
+        """TRL's trainers write a draft model card (`output_dir/README.md`) in their own
+        `_save_checkpoint`, which this class's sits in front of: take that step here, as TRL does."""
+        name = self.args.hub_model_id.split("/")[-1] if self.args.hub_model_id else os.path.basename(
+            os.path.normpath(self.args.output_dir))
+        self.create_model_card(model_name=name)
 
     def _record_callback_states(self) -> None:
         """As Trainer._save_checkpoint does: stateful callbacks' states into self.state."""
@@ -291,4 +303,23 @@ def smp_trainer_class(trainer_cls: type) -> type:
         return trainer_cls
     if not issubclass(trainer_cls, Trainer):
         raise TypeError(f"smp_trainer_class expects a transformers.Trainer subclass, got {trainer_cls!r}")
+    trl_classes, other_classes = _shadowed_save_steps(trainer_cls)
+    if other_classes:
+        log.warning(
+            "smp_trainer_class(%s): smp writes the checkpoints, so the _save_checkpoint of %s does not run; "
+            "move what it adds into a TrainerCallback.on_save", trainer_cls.__name__,
+            ", ".join(c.__qualname__ for c in other_classes))
     return type(f"SMP{trainer_cls.__name__}", (SMPTrainerMixin, trainer_cls), {"__module__": trainer_cls.__module__})
+
+
+@functools.cache
+def _shadowed_save_steps(trainer_cls: type) -> tuple[list[type], list[type]]:
+    """The classes between smp's mixin and transformers.Trainer that override `_save_checkpoint`
+    (smp's replaces theirs), split into TRL's (whose one extra step, the model card, smp takes)
+    and the rest."""
+    shadowed = [c for c in trainer_cls.__mro__
+                if c is not Trainer and issubclass(c, Trainer) and not issubclass(c, SMPTrainerMixin)
+                and "_save_checkpoint" in vars(c)]
+    trl = [c for c in shadowed if c.__module__.split(".")[0] == "trl"]
+    return trl, [c for c in shadowed if c not in trl]
+
