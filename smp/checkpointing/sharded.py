@@ -405,18 +405,29 @@ def _agree(problem: str | None, what: str) -> None:
         raise CheckpointError(what + ":\n  " + "\n  ".join(dict.fromkeys(found)))
 
 
-def _verify(path: str, meta: dict[str, Any]) -> None:
-    """Every listed file against its size and digest, split over the ranks by writer (each
-    rank reads the files its rank wrote); on rank 0 also DCP's `.metadata`, through the
-    allow-list, naming only listed files. Collective; raises on every rank."""
+_DAMAGED = "checkpoint {path!r} is damaged or unsafe; nothing was loaded (latest(root) skips checkpoints with missing or truncated files)"
+
+
+def _my_files(files: dict[str, Any]) -> list[str]:
+    """The listed files this rank verifies: those its rank wrote (ranks split the reading)."""
+    rank, world = _rank(), _world()
+    return [f for f in sorted(files) if digest.writer_rank(f) % world == rank]
+
+
+def _verify_structure(path: str, meta: dict[str, Any]) -> None:
+    """Before anything is read: every listed file present, a regular file inside the folder, at
+    its recorded size; the small files (DCP's `.metadata`, `extra`) also against their digests;
+    on rank 0 `.metadata` through the allow-list, naming only listed files. The large data files'
+    digests are checked by `_start_verifying_data` while DCP reads them. Collective."""
     files = meta.get("files")
     if files is None:  # format 1: saved before smp recorded digests
         if _rank() == 0:
             log.warning("smp.checkpointing.load: %r predates file digests; its files are not verified", path)
         return
-    rank, world = _rank(), _world()
-    found = digest.problems(path, files, [f for f in sorted(files) if digest.writer_rank(f) % world == rank], read=True)
-    if rank == 0 and not found:
+    mine = _my_files(files)
+    small = [f for f in mine if not f.endswith(".distcp")]
+    found = digest.problems(path, files, mine, read=False) or digest.problems(path, files, small, read=True)
+    if _rank() == 0 and not found:
         if safe_read.DCP_METADATA_FILE not in files:
             found.append(f"{safe_read.DCP_METADATA_FILE} is not among the files the save recorded")
         else:
@@ -428,9 +439,20 @@ def _verify(path: str, meta: dict[str, Any]) -> None:
                 unlisted = sorted({i.relative_path for i in md.storage_data.values()} - set(files))
                 if unlisted:
                     found.append(f"{safe_read.DCP_METADATA_FILE} names files the save did not record: {unlisted[:5]}")
-    _agree("\n  ".join(found) or None,
-           f"checkpoint {path!r} is damaged or unsafe; nothing was loaded (latest(root) skips "
-           f"checkpoints with missing or truncated files)")
+    _agree("\n  ".join(found) or None, _DAMAGED.format(path=path))
+
+
+def _start_verifying_data(path: str, meta: dict[str, Any]) -> Future:
+    """Hash this rank's share of the data files in a thread, while DCP reads them into a copy
+    of the state (hashing and file reads release the GIL): the check costs about nothing on top
+    of the read, and still ends before anything is copied into the model. The future's result
+    is this rank's problems (None when all match)."""
+    files = meta.get("files") or {}
+    data = [f for f in _my_files(files) if f.endswith(".distcp")]
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smp-verify")
+    future = pool.submit(lambda: "\n  ".join(digest.problems(path, files, data, read=True)) or None)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _empty_copy(state: Any) -> Any:
@@ -476,20 +498,29 @@ def load(
     shapes = metadata.tensor_shapes(get_model_state_dict(model))
     metadata.check_compatible(meta["params"], shapes, f"checkpoint {path!r}")
     metadata.check_optimizer(meta, optimizer, f"checkpoint {path!r}")
-    _verify(path, meta)
+    _verify_structure(path, meta)
     saved_extra, own_rng = _read_extra(path, meta, allow_pickle)
     fresh_optimizer = optimizer is not None and not optimizer.state
+    verifying = _start_verifying_data(path, meta)
+    load_error = None
     try:
         state = _empty_copy(_state_dicts(model, optimizer))
         dcp.load(state, storage_reader=safe_read.SafeReader(path), planner=safe_read.SafeLoadPlanner(),
                  no_dist=not _dist())
     except BaseException as e:
-        if fresh_optimizer:
-            optimizer.state.clear()  # undo DCP's initialising step: the optimizer is as it was
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"loading checkpoint {path!r} failed; the model and optimizer are "
-                              f"unchanged: {_summary(e)}") from None
+        load_error = e
+    try:
+        # Digests first: a damaged file is named even when DCP failed on it.
+        _agree(verifying.result(), _DAMAGED.format(path=path))
+        if load_error is not None:
+            raise CheckpointError(f"loading checkpoint {path!r} failed; the model and optimizer are "
+                                  f"unchanged: {_summary(load_error)}") from None
+    except CheckpointError:
+        if fresh_optimizer:
+            optimizer.state.clear()  # undo DCP's initialising step: the optimizer is as it was
+        raise
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
