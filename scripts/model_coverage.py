@@ -1,13 +1,18 @@
-"""Write docs/model-coverage.md: every model family x parallelism mode, each cell "exact" (loss
-and gradients within 1e-5 of one process; delayed init also bitwise parameters) or "refused"
-with smp's reason. Families come from transformers' registry (every causal-LM family whose
-config ships a `base_model_tp_plan`) plus BERT-MLM, T5 and GPT-2; nothing is listed by hand.
+"""Write docs/model-coverage.md: every model family x parallelism mode (FSDP, delayed init,
+TP=2, TP=2 + sequence parallel, full checkpointing + offloading on world 2; TP=2 x FSDP 2 + SP
+on world 4 for the families exact at TP=2 + SP), each cell "exact" (loss and gradients within
+1e-5 of one process; delayed init also bitwise parameters) or "refused" with smp's reason.
+Families come from transformers' registry (every causal-LM family whose config ships a
+`base_model_tp_plan`) plus BERT-MLM, T5 and GPT-2; nothing is listed by hand.
 
-    .venv/bin/python scripts/model_coverage.py [--families llama,qwen2] [--out docs/model-coverage.md]
+    .venv/bin/python scripts/model_coverage.py [--families llama,qwen2] [--modes tp2,tp2-sp]
+                                               [--out docs/model-coverage.md]
 
-Runs on 2 gloo ranks (CPU). A family that neither matches nor is refused (a crash, a silent
-mismatch) is written as such and makes the script exit 1. With --families, only those rows of
-an existing --out file are rewritten; the other families' rows are kept.
+Runs on gloo ranks (CPU), one cell at a time, 240 s at most per cell. A family that neither
+matches nor is refused (a crash, a silent mismatch, a mode that did nothing) is written as such
+and makes the script exit 1. With --families or --modes, only those cells of an existing --out
+file are rewritten; the others are kept. The file is rewritten after each family, so an
+interrupted run keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import datetime
 import os
 import re
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -25,11 +30,20 @@ sys.path.insert(0, ROOT)
 from smp.testing.rank_pool import RankPool, RankTimeout  # noqa: E402
 from tests import model_coverage_cases as cases  # noqa: E402
 
-# column -> arguments of cases.classify
-MODES = {
-    "FSDP full shard (world 2)": dict(config={}, delayed=False),
-    "delayed init (world 2)": dict(config={}, delayed=True),
+# mode (cases.MODES: the arguments of cases.classify) -> its column title
+COLUMNS = {
+    "fsdp": "FSDP full shard (world 2)",
+    "delayed": "delayed init (world 2)",
+    "tp2": "TP=2 (world 2)",
+    "tp2-sp": "TP=2 + sequence parallel (world 2)",
+    "ac-offload": "full checkpointing + offloading (world 2)",
+    "tp2-fsdp2-sp": "TP=2 x FSDP 2 + sequence parallel (world 4)",
 }
+# mode -> the mode whose exact cell it needs first: world 4 is costly on a small machine, and a
+# family not exact at TP=2 + SP on world 2 gains nothing from the larger world.
+NEEDS_EXACT = {"tp2-fsdp2-sp": "tp2-sp"}
+TITLES = list(COLUMNS.values())
+NOT_RUN = "not run yet"
 
 
 def families(only: list[str] | None) -> list[tuple[str, str | None]]:
@@ -42,7 +56,7 @@ def cell(pool: RankPool, family: str, mode: dict) -> dict:
         results = pool.run(cases.classify, family=family, timeout=240, **mode)
     except RankTimeout as e:
         return {"status": "crash", "detail": f"timed out: {e}"}
-    worst = {"exact": 0, "refused": 1, "skipped": 1, "mismatch": 2, "crash": 3}
+    worst = {"exact": 0, "refused": 1, "skipped": 1, "unproven": 2, "mismatch": 2, "crash": 3}
     return max(results, key=lambda r: worst[r["status"]])  # the worst rank speaks for the family
 
 
@@ -54,30 +68,47 @@ def cell_text(result: dict) -> str:
     return f"{result['status']}: {detail[:240]}"
 
 
-def run_rows(pool: RankPool, only: list[str] | None) -> Iterator[tuple[str, list[str]]]:
-    """(family, its cells' text, one per mode) as each family finishes."""
+def run_rows(pool: Callable[[int], RankPool], only: list[str] | None, modes: list[str],
+             rows: dict[str, dict[str, str]]) -> Iterator[tuple[str, dict[str, str]]]:
+    """(family, {column title: cell text} for `modes`) as each family finishes; `pool(world)`
+    gives the ranks, `rows` the cells known so far (for NEEDS_EXACT)."""
     for family, reason in families(only):
         reason = reason or cases.can_build(family)
-        results = {} if reason else {m: cell(pool, family, kw) for m, kw in MODES.items()}
-        print(family, reason or {m: r["status"] for m, r in results.items()}, flush=True)
-        yield family, [f"skipped: {reason}"] * len(MODES) if reason else [cell_text(results[m]) for m in MODES]
+        texts = {}
+        for mode in modes:
+            title, needed = COLUMNS[mode], NEEDS_EXACT.get(mode)
+            needed_text = texts.get(COLUMNS[needed], rows.get(family, {}).get(COLUMNS[needed], NOT_RUN)) if needed else ""
+            if reason:
+                texts[title] = f"skipped: {reason}"
+            elif needed and not needed_text.startswith("exact"):
+                texts[title] = f"not run: {needed_text.split(':')[0]} under {COLUMNS[needed]}"
+            else:
+                world = cases.WORLD.get(mode, 2)
+                texts[title] = cell_text(cell(pool(world), family, cases.MODES[mode]))
+            print(family, mode, texts[title][:160], flush=True)
+        yield family, texts
 
 
-def read_rows(path: str) -> dict[str, list[str]]:
-    """The family rows of a matrix this script wrote earlier (none if there is no such file)."""
+def read_rows(path: str) -> dict[str, dict[str, str]]:
+    """family -> {column title: cell text} of a matrix this script wrote earlier, read by its
+    header, so that a file with fewer columns keeps its cells (none if there is no such file)."""
     if not os.path.exists(path):
         return {}
-    rows = {}
+    rows, header = {}, None
     for line in open(path).read().splitlines():
+        if not line.startswith("| "):
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == len(MODES) + 1 and cells[0] != "family":
-            rows[cells[0]] = cells[1:]
+        if cells[0] == "family":
+            header = cells[1:]
+        elif header and len(cells) == len(header) + 1:
+            rows[cells[0]] = dict(zip(header, cells[1:]))
     return rows
 
 
 def render(rows: dict[str, list[str]]) -> str:
     """The matrix in registry order (families no longer in the registry dropped), with totals."""
-    counts: dict[str, dict[str, int]] = {m: {} for m in MODES}
+    counts: dict[str, dict[str, int]] = {t: {} for t in TITLES}
     lines = [
         "# Model coverage",
         "",
@@ -85,49 +116,71 @@ def render(rows: dict[str, list[str]]) -> str:
         f"{datetime.date.today().isoformat()}. Families: every causal-LM family in transformers' "
         "registry whose config ships a `base_model_tp_plan`, built at a tiny shape (hidden 64, "
         "2 layers, 4 heads, 2 KV heads, vocab 256, intermediate 128), plus BERT masked LM, T5 and "
-        "GPT-2 (no TP plan: FSDP only). Each cell compares one SGD step with the same model in one "
-        "process: **exact** means loss and every gradient within 1e-5 (delayed init: every "
-        "parameter and buffer also bitwise equal to eager construction); **refused** means smp "
-        "raised its own error, quoted; **skipped** families cannot be built from `input_ids` "
-        "alone here. A family whose training forward draws random numbers (PhiMoE's router "
-        "samples its experts) is compared in eval mode, and says so: those draws differ between "
-        "one process and each rank's rows by design. Tensor-parallel modes are classified only "
-        "for the dozen families in [Tensor parallelism: Model coverage](tensor-parallel.md#model-coverage).",
+        "GPT-2 (no `base_model_tp_plan`; under TP they get smp's own table or its refusal). Each cell "
+        "compares one SGD step with the same model in one process: **exact** means loss and every "
+        "gradient within 1e-5 (delayed init: every parameter and buffer also bitwise equal to eager "
+        "construction; TP: at least one parameter split over the TP ranks; offloading: activations "
+        "moved to host); **refused** means smp raised its own error, quoted; **unproven** means within "
+        "1e-5 but the mode did nothing (no parameter split, nothing offloaded); **crash** quotes the "
+        "error's first line; **skipped** families cannot be built from `input_ids` alone here. TP "
+        "columns use the model's own plan and no user plan; sequence parallel also shards the norms "
+        "and dropout regions along the sequence; the world-4 column puts TP=2 inside FSDP over the 2 "
+        "data-parallel ranks, and runs for the families exact at TP=2 + SP on world 2. The checkpointing column wraps every block in full "
+        "activation checkpointing and offloads every saved activation to host "
+        "(`activation_offload_min_bytes: 0`). A family whose training forward draws random numbers "
+        "(PhiMoE's router samples its experts) is compared in eval mode, and says so: those draws "
+        "differ between one process and each rank's rows by design. The hand-built TP cases behind "
+        "this (per-head norms, MoE experts, gathered regions, GPT-J's user plan, the negative "
+        "controls) are in [Tensor parallelism](tensor-parallel.md#model-coverage).",
         "",
-        f"| family | {' | '.join(MODES)} |",
-        f"|---|{'---|' * len(MODES)}",
+        f"| family | {' | '.join(TITLES)} |",
+        f"|---|{'---|' * len(TITLES)}",
     ]
     for family, _ in families(None):
         if family not in rows:
             continue
-        for mode, text in zip(MODES, rows[family]):
-            status = re.match(r"\w+", text).group()
+        texts = [rows[family].get(title, NOT_RUN) for title in TITLES]
+        for title, text in zip(TITLES, texts):
+            status = re.match(r"[\w ]+?(?=:|$| \()", text).group()
             if status != "skipped":
-                counts[mode][status] = counts[mode].get(status, 0) + 1
-        lines.append(f"| {family} | " + " | ".join(rows[family]) + " |")
-    lines += ["", "Totals: " + "; ".join(
-        f"{mode}: " + ", ".join(f"{n} {status}" for status, n in sorted(c.items())) for mode, c in counts.items()
-    ), ""]
+                counts[title][status] = counts[title].get(status, 0) + 1
+        lines.append(f"| {family} | " + " | ".join(texts) + " |")
+    lines += ["", "Totals:", ""] + [
+        f"- {title}: " + ", ".join(f"{n} {status}" for status, n in sorted(c.items())) for title, c in counts.items()
+    ] + [""]
     return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", help="comma-separated subset (default: all)")
+    parser.add_argument("--modes", help=f"comma-separated columns to run (default: all): {', '.join(COLUMNS)}")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "model-coverage.md"))
     args = parser.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")
     only = args.families.split(",") if args.families else None
-    rows = read_rows(args.out) if only else {}
-    pool = RankPool(2)
+    modes = args.modes.split(",") if args.modes else list(COLUMNS)
+    unknown = sorted(set(modes) - set(COLUMNS))
+    if unknown:
+        parser.error(f"unknown --modes {unknown}; choose from {list(COLUMNS)}")
+    rows = read_rows(args.out) if only or args.modes else {}
+    pools: dict[int, RankPool] = {}
+
+    def pool(world: int) -> RankPool:
+        if world not in pools:
+            pools[world] = RankPool(world)
+        return pools[world]
+
     try:
-        for family, cells in run_rows(pool, only):
-            rows[family] = cells
+        for family, texts in run_rows(pool, only, modes, rows):
+            rows[family] = {**rows.get(family, {}), **texts}
             with open(args.out, "w") as f:  # after each family: an interrupted run keeps its rows
                 f.write(render(rows))
     finally:
-        pool.close()
-    bad = sorted(f for f, cells in rows.items() if any(c.startswith(("crash", "mismatch")) for c in cells))
+        for p in pools.values():
+            p.close()
+    bad = sorted(f for f, texts in rows.items()
+                 if any(t.startswith(("crash", "mismatch", "unproven")) for t in texts.values()))
     if bad:
         print(f"neither exact nor refused: {bad}", file=sys.stderr)
     return 1 if bad else 0

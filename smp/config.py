@@ -149,7 +149,8 @@ class ContextParallelConfig(_Strict):
 
 
 class MoEConfig(_Strict):
-    """Mixture-of-experts options (the `moe:` section; SMP v2's MoEConfig keys). They apply when
+    """Mixture-of-experts options (the `moe:` section; SMP v2's MoEConfig keys). The load-balancing
+    keys apply to any MoE model smp.transform shards, capacity_factor and plan when
     expert_parallel_degree > 1; docs/expert-parallel.md says what each does."""
 
     # aux_loss: the model's own load-balancing loss (its router logits are returned), computed

@@ -11,6 +11,7 @@ from smp.activations import apply_activation_checkpointing, apply_activation_off
 from smp.compile import apply_compile
 from smp.config import MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel, deactivate as deactivate_context_parallel
+from smp.context_parallel.probe import install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_meta_model
@@ -58,21 +59,28 @@ def apply_parallelism(
             sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
         )
     # 1b. Context parallel: attention across the cp ranks' sequence chunks (wraps nothing).
+    cp_probe = None
     if dims.cp > 1:
         cp = cfg.context_parallel
-        apply_context_parallel(model, mesh["cp"], cp.algorithm, cp.load_balance)
+        cp_probe = apply_context_parallel(model, mesh["cp"], cp.algorithm, cp.load_balance)
     # 1c. Expert parallel before checkpointing and FSDP wrap the blocks: experts split over "ep",
     #     each experts module its own FSDP unit over the data-parallel ranks left (torchtitan's order).
+    moe = moe_config or cfg.moe
     if dims.ep > 1:
-        moe, mp = moe_config or cfg.moe, cfg.mixed_precision
+        mp = cfg.mixed_precision
         experts = apply_expert_parallel(model, mesh["ep"], resolve_ep_plan(model, moe.plan), moe.capacity_factor)
-        apply_load_balancing(model, mesh["dp"].get_group(), moe.moe_load_balancing, moe.moe_aux_loss_coeff)
         shard_experts(
             experts, expert_fsdp_mesh(mesh, dims),
             param_dtype=torch_dtype(mp.param_dtype), reduce_dtype=torch_dtype(mp.reduce_dtype),
             output_dtype=torch_dtype(mp.output_dtype), cast_forward_inputs=mp.cast_forward_inputs,
             reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
         )
+    # 1d. An MoE model's own load-balancing loss is a product of batch means: with the batch split
+    #     over data-parallel ranks (EP or not) its router statistics are summed over them first.
+    apply_load_balancing(
+        model, mesh["dp"].get_group() if dims.dp > 1 else None, moe.moe_load_balancing, moe.moe_aux_loss_coeff,
+        unsupported=f"context_parallel_degree={dims.cp} splits each row's tokens" if dims.cp > 1 else None,
+    )
     blocks = find_blocks(model, cfg.shard_modules)
     # 2. Activation checkpointing / offloading wrap the blocks before FSDP sees them, so that
     #    recompute runs inside FSDP's unshard/reshard of each block.
@@ -102,6 +110,10 @@ def apply_parallelism(
         model, sync.algorithm, block_size=sync.block_size, error_feedback=sync.error_feedback,
         cross_replica=sync.cross_replica, replica_group=mesh["dp_replicate"].get_group() if by_hook else None,
     )
+    # 5. Last, so that its pre-forward hook runs before FSDP's root one (all-gathers): the
+    #    first forward is replayed on the meta device, refusing attention smp cannot see.
+    if cp_probe is not None:
+        install_attention_probe(model, cp_probe)
 
     # materialize=False leaves a meta model on meta: shapes and placements only (`smp plan`).
     if on_meta and materialize:

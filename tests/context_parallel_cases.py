@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Iterator
+import importlib
+import warnings
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import smp
 import smp.context_parallel as cp
@@ -39,9 +42,28 @@ class UserBlock(nn.Module):
     def forward(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        a = cp.attention(q, k, v, causal=True, key_padding_mask=padding)
+        a = self.attend(q, k, v, padding)
         x = x + self.out(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+        return cp.attention(q, k, v, causal=True, key_padding_mask=padding)
+
+
+class InlineSDPABlock(UserBlock):
+    """A layer that computes its attention inline with F.scaled_dot_product_attention."""
+
+    def attend(self, q, k, v, padding):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class HandWrittenAttentionBlock(UserBlock):
+    """A layer that computes softmax(q @ k^T) v by hand."""
+
+    def attend(self, q, k, v, padding):
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
 
 
 class UserModel(nn.Module):
@@ -171,7 +193,8 @@ def equivalence(config: dict, kind: str, steps: int = 2, padding: bool = False,
         report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses, "cp_rank": smp.state.cp_rank,
                   "cp_size": smp.state.cp_size, "dp_rank": smp.state.dp_rank,
                   "attn": getattr(model.config, "_attn_implementation", None) if hasattr(model, "config") else None}
-        with _corrupted(corrupt):
+        with _corrupted(corrupt), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             for step in range(steps):
                 loss = loss_of(model, cp.shard_batch(rows))
                 loss.backward()
@@ -181,6 +204,8 @@ def equivalence(config: dict, kind: str, steps: int = 2, padding: bool = False,
                 report["grad_diff"] = max(report["grad_diff"], gap)
                 opt.step()
                 opt.zero_grad()
+        # The attention probe ran (it warns when it cannot) and passed the model.
+        report["probe_warnings"] = [str(w.message) for w in caught if "could not check" in str(w.message)]
         return report
 
 
@@ -204,6 +229,60 @@ def transform_error(config: dict, kind: str) -> str:
         except smp.Error as e:
             return f"{type(e).__name__}: {e}"
         return ""
+
+
+class _CollectiveCount(TorchDispatchMode):
+    """Counts the collectives (c10d operators) that run under it: FSDP's all-gathers, the
+    context parallel attention's exchanges."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func._schema.name.split("::")[0] in ("c10d", "_c10d_functional"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _probe_installed(installed: bool) -> Iterator[None]:
+    """`installed=False`: smp.transform leaves the attention probe out (the negative control of
+    "before any collective": the runtime check alone raises after FSDP's all-gathers)."""
+    transform_module = importlib.import_module("smp.transform")
+    saved = transform_module.install_attention_probe
+    if not installed:
+        transform_module.install_attention_probe = lambda model, probe: None
+    try:
+        yield
+    finally:
+        transform_module.install_attention_probe = saved
+
+
+def first_forward_error(config: dict, kind: str, probe: bool = True) -> dict:
+    """Transform a model, run its first forward (and backward) on this rank's chunks, counting
+    collectives: the error smp raised ('' if none), how many collectives had run when it was
+    raised, and smp's warnings."""
+    with smp.session(config):
+        torch.manual_seed(0)
+        with _probe_installed(probe):
+            model = smp.transform(_bad_model(kind))
+        batch = cp.shard_batch({name: local_rows(t) for name, t in global_batch(padding=False).items()})
+        counter = _CollectiveCount()
+        error = ""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with counter:
+                    if isinstance(model, UserModel):
+                        loss = loss_of(model, batch)
+                    else:
+                        loss = model(batch["input_ids"]).float().mean()
+                    loss.backward()
+            except smp.Error as e:
+                error = f"{type(e).__name__}: {e}"
+        return {"error": error, "collectives": counter.count,
+                "warnings": [str(w.message) for w in caught if "context parallel" in str(w.message)]}
 
 
 class _MHAModel(nn.Module):
@@ -230,11 +309,53 @@ class _LocalAttentionModel(nn.Module):
         return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], is_causal=True)
 
 
+class _NoAttentionModel(nn.Module):
+    """Token-wise layers only: nothing attends, smp's attention is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+class _ValueReadingModel(UserModel):
+    """Reads a tensor value in forward (which the meta-device probe cannot); `inline`: every
+    layer computes attention with F.scaled_dot_product_attention."""
+
+    def __init__(self, inline: bool) -> None:
+        super().__init__()
+        if inline:
+            self.layers = nn.ModuleList(InlineSDPABlock(32, 64) for _ in self.layers)
+
+    def forward(self, input_ids, position_ids, attention_mask=None):
+        if int(input_ids.max()) >= VOCAB:
+            raise ValueError("token id out of range")
+        return super().forward(input_ids, position_ids, attention_mask)
+
+
+def _with_layer(block: type[UserBlock]) -> UserModel:
+    """The user model with its second (last) layer replaced by `block`."""
+    model = UserModel()
+    model.layers[1] = block(32, 64)
+    return model
+
+
 def _bad_model(kind: str) -> nn.Module:
     if kind == "mha":
         return _MHAModel()
     if kind == "inline_sdpa":
         return _LocalAttentionModel()
+    if kind == "no_attention":
+        return _NoAttentionModel()
+    if kind == "mixed_sdpa":
+        return _with_layer(InlineSDPABlock)
+    if kind == "hand_softmax":
+        return _with_layer(HandWrittenAttentionBlock)
+    if kind in ("reads_values", "reads_values_inline"):
+        return _ValueReadingModel(inline=kind == "reads_values_inline")
     if kind == "gemma2_softcap":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch.distributed.tensor import DTensor
 import smp
 import smp.expert_parallel.dispatch as dispatch_module
 from smp.expert_parallel import expert_load, global_load_balancing_loss, is_expert_parallel
+from smp.metrics import ExpertLoadMeter
 from smp.tensor_parallel import causal_lm_loss
 from smp.testing.distributed import full_tensor, local_rows, local_tensor, max_grad_diff, world_mean
 from smp.testing.models import random_batch
@@ -82,6 +84,62 @@ class UserMoEModel(nn.Module):
         return self.head(x), tuple(router_logits)
 
 
+ID_PLAN = {"layers.*.experts": "ep_dispatch_experts"}
+
+
+class IdRoutedBlock(nn.Module):
+    """A residual MoE block whose router is a fixed rule on the token ids: token t goes to experts
+    t % E and (t % E + 1 + layer) % E, weight 1/2 each; so tokens per expert are known by hand."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.experts = UserExperts(EXPERTS, HIDDEN, 2 * HIDDEN)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return x + self.experts(x.reshape(-1, HIDDEN), *id_routing(ids, self.layer)).view_as(x)
+
+
+def id_routing(ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    first = ids.reshape(-1) % EXPERTS
+    index = torch.stack([first, (first + 1 + layer) % EXPERTS], dim=1)
+    return index, torch.full(index.shape, 0.5)
+
+
+class IdRoutedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(IdRoutedBlock(i) for i in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, ids)
+        return causal_lm_loss(self.head(x), ids)
+
+
+def expected_tokens_per_expert(batch: torch.Tensor) -> list[list[int]]:
+    """By hand from the rule in IdRoutedBlock, per layer."""
+    return [torch.bincount(id_routing(batch, layer)[0].reshape(-1), minlength=EXPERTS).tolist() for layer in range(2)]
+
+
+def expert_load_metrics(config: dict, micro_batches: int = 2) -> dict:
+    """One training step of IdRoutedModel in `micro_batches` micro-batches, then the step record
+    of ExpertLoadMeter (smp.metrics) summed over the data-parallel ranks, and the hand count."""
+    with smp.session(config):
+        torch.manual_seed(0)
+        model = smp.transform(IdRoutedModel(), moe_config=smp.expert_parallel.MoEConfig(plan=ID_PLAN))
+        meter = ExpertLoadMeter(model, plan=ID_PLAN)
+        batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=7)
+        for chunk in local_rows(batch).chunk(micro_batches):
+            model(chunk).backward()
+        record = meter.record(smp.state.dp_mesh.get_group())
+        return {**record, "expected": expected_tokens_per_expert(batch),
+                "after": meter.record(smp.state.dp_mesh.get_group())}
+
+
 def build(kind: str) -> nn.Module:
     """Tiny MoE models: hidden 64, 2 layers, 4 experts, top-2, vocab 256, router logits on."""
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
@@ -145,18 +203,27 @@ def _corrupt(kind: str):
     return exchange
 
 
-def equivalence(config: dict, kind: str, steps: int = 3, corrupt: str | None = None) -> dict:
-    """EP (x FSDP) run vs the single-process run: same init, same global batch, SGD steps."""
+def equivalence(config: dict, kind: str, steps: int = 3, corrupt: str | None = None,
+                per_rank_aux: bool = False) -> dict:
+    """EP (x FSDP) run vs the single-process run: same init, same global batch, SGD steps.
+    `per_rank_aux` (negative control): the model's own load-balancing loss on this rank's rows
+    only, i.e. without smp's reduction of the router statistics over the data-parallel ranks."""
     with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         reference = build(kind)
         model = smp.transform(copy.deepcopy(reference), moe_config=_user_moe(kind))
         if corrupt:
             dispatch_module._exchange = _corrupt(corrupt)
+        modeling = sys.modules[type(reference).__module__]
+        reduced = getattr(modeling, "load_balancing_loss_func", None)
+        if per_rank_aux:
+            modeling.load_balancing_loss_func = reduced._smp_original
         try:
             return _train_and_compare(model, reference, kind, steps)
         finally:
             dispatch_module._exchange = _ORIGINAL_EXCHANGE
+            if per_rank_aux:
+                modeling.load_balancing_loss_func = reduced
 
 
 _ORIGINAL_EXCHANGE = dispatch_module._exchange

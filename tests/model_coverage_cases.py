@@ -30,8 +30,24 @@ TINY = dict(
     sliding_window=16, layer_types=None,
 )
 
-# Families without a `base_model_tp_plan`, covered under FSDP only (tests and the script).
+# Families without a `base_model_tp_plan` (tests and the script). Under TP they get smp's own
+# table (GPT-2) or its refusal.
 EXTRA_FAMILIES = ("bert-mlm", "t5", "gpt2")
+
+# The matrix's modes (its columns), as arguments of `classify`: the tests and the script share them.
+TP2 = {"tensor_parallel_degree": 2}  # the model's own plan (base_model_tp_plan)
+# Offload every saved activation: the default threshold (1 MiB) keeps all of a tiny model's on device.
+AC_OFFLOAD = {"activation_checkpointing": "full", "sm_activation_offloading": True, "activation_offload_min_bytes": 0}
+MODES = {
+    "fsdp": dict(config={}, delayed=False),
+    "delayed": dict(config={}, delayed=True),
+    "tp2": dict(config=TP2, delayed=False),
+    "tp2-sp": dict(config={**TP2, "tensor_parallel": {"sequence_parallel": True}}, delayed=False),
+    "ac-offload": dict(config=AC_OFFLOAD, delayed=False),
+    # world 4: TP=2 inside, FSDP over the 2 data-parallel ranks outside
+    "tp2-fsdp2-sp": dict(config={**TP2, "tensor_parallel": {"sequence_parallel": True}}, delayed=False),
+}
+WORLD = {"tp2-fsdp2-sp": 4}  # the world size of a mode, when not 2
 
 
 # --- building -------------------------------------------------------------------------------
@@ -194,14 +210,42 @@ def equivalence(config: dict, family: str, steps: int = 2, delayed: bool = False
                 if hasattr(m, "set_custom_reduce_scatter"):
                     m.set_custom_reduce_scatter(_LocalOnlyReduceScatter())
         model.train(reference.training)
-        return {**compare(model, reference, steps), "eval_mode": eval_mode}
+        report = compare(model, reference, steps)
+        return {**report, "eval_mode": eval_mode, **_what_acted(model)}
+
+
+def _what_acted(model: torch.nn.Module) -> dict:
+    """How much the mode under test did: parameters split over the "tp" mesh axis, bytes the
+    activation offloader moved to host in the last forward. A cell whose mechanism did nothing
+    proves nothing about it, however exact its numbers."""
+    from torch.distributed.tensor import DTensor
+
+    from smp.activations import offload_stats
+
+    stats = offload_stats(model)
+    return {
+        "tp_split": sum(1 for p in model.parameters()
+                        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())),
+        "offloaded_bytes": stats.total_offloaded_bytes if stats else 0,
+    }
+
+
+def _unproven(config: dict, report: dict) -> str:
+    """Why an exact-looking cell proves nothing about its mode ('' when it does)."""
+    if config.get("tensor_parallel_degree", 1) > 1 and not report["tp_split"]:
+        return "tensor parallel split no parameter: the model ran whole on each rank"
+    if config.get("sm_activation_offloading") and not report["offloaded_bytes"]:
+        return "activation offloading moved no activation to host"
+    return ""
 
 
 def classify(config: dict, family: str, delayed: bool = False) -> dict:
-    """One coverage cell: {"status": exact | refused | mismatch | crash | skipped, "detail"}.
+    """One coverage cell: {"status": exact | refused | unproven | mismatch | crash, "detail"}.
 
     exact: loss and gradients within TOL of one process (and, for delayed init, parameters
-    bitwise equal); refused: smp raised one of its own errors (the message is the reason)."""
+    bitwise equal), with the mode's mechanism at work (TP split parameters, offloading moved
+    activations); refused: smp raised one of its own errors (the message is the reason);
+    unproven: within TOL but the mechanism did nothing."""
     try:
         report = equivalence(config, family, steps=1, delayed=delayed)
     except smp.Error as e:
@@ -209,6 +253,8 @@ def classify(config: dict, family: str, delayed: bool = False) -> dict:
     except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with its traceback
         return {"status": "crash", "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
     exact = report["loss_diff"] < TOL and report["grad_diff"] < TOL and (not delayed or report["param_diff"] == 0.0)
+    if exact and _unproven(config, report):
+        return {"status": "unproven", "detail": _unproven(config, report)}
     cell = {"status": "exact" if exact else "mismatch", "detail": {k: v for k, v in report.items() if k != "losses"}}
     if report["eval_mode"]:
         cell["note"] = "eval mode: its training forward draws random numbers (sampled routing)"

@@ -9,7 +9,7 @@ from smp.testing.distributed import local_tensor
 from smp.testing.models import random_batch, tiny_llama
 
 
-def _storage_bytes(tensors) -> int:
+def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
@@ -29,8 +29,8 @@ def measured_bytes(config: dict, seq_len: int = 16, batch: int = 2) -> dict[str,
         smp.gradient_sync_bytes(reset=True)
         model(input_ids=ids, labels=ids).loss.backward()
         sync = smp.gradient_sync_bytes(reset=True)  # per collective, counted by smp_collectives
-        grads = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
         opt.step()
-        params = _storage_bytes(model.parameters())
+        params = storage_bytes(model.parameters())
         states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {"params": params, "grads": grads, "optimizer": _storage_bytes(states), "sync": sync}
+        return {"params": params, "grads": grads, "optimizer": storage_bytes(states), "sync": sync}

@@ -34,6 +34,7 @@ def _check(reports: list[dict], cp_size: int = 2) -> None:
         assert report["cp_size"] == cp_size, report
         assert report["loss_diff"] < LOSS_TOL, report
         assert report["grad_diff"] < GRAD_TOL, report
+        assert not report["probe_warnings"], report  # the attention probe ran on the meta device
     assert reports[0]["losses"][1] < reports[0]["losses"][0]  # it trains
     # A cp group shares its batch rows: every data-parallel rank appears with every cp rank.
     pairs = {(r["dp_rank"], r["cp_rank"]) for r in reports}
@@ -136,13 +137,50 @@ def test_sequence_length_error(ranks, config, seq_len, expected):
 @pytest.mark.parametrize(
     "kind,expected",
     [("mha", "nn.MultiheadAttention"),
-     ("inline_sdpa", "never called smp.context_parallel.attention"),
      ("gemma2_softcap", "attention logit soft-capping"),
      ("attention_dropout", "attention_dropout=0.1")],
 )
 def test_model_errors(ranks, kind, expected):
     for message in ranks(2).run(context_parallel_cases.transform_error, config=CP2, kind=kind):
         assert expected in message, message
+
+
+@pytest.mark.parametrize(
+    "kind,expected",
+    [("mixed_sdpa", "layers.1 (InlineSDPABlock) calls F.scaled_dot_product_attention"),
+     ("hand_softmax", "layers.1 (HandWrittenAttentionBlock) calls softmax(q @ k^T) itself"),
+     ("inline_sdpa", "_LocalAttentionModel calls F.scaled_dot_product_attention"),
+     ("no_attention", "_NoAttentionModel's forward never called smp.context_parallel.attention")],
+)
+def test_attention_smp_cannot_see_is_refused_before_any_collective(ranks, kind, expected):
+    """The attention probe replays the first forward on the meta device before FSDP's root
+    pre-forward: one layer of inline SDPA among smp-attention layers, a hand-written
+    softmax(q @ k^T), or no smp attention at all raise on every rank with zero collectives run."""
+    for r in ranks(2).run(context_parallel_cases.first_forward_error, config=CP2, kind=kind):
+        assert r["error"].startswith("UsageError") and expected in r["error"], r
+        assert "smp.context_parallel.attention(q, k, v, causal=True)" in r["error"], r
+        assert r["collectives"] == 0, r
+
+
+def test_without_the_probe_errors_come_late_or_never(ranks):
+    """Negative control: with the probe left out, the runtime check refuses a model that never
+    calls smp's attention only after collectives ran (the counter sees FSDP's all-gathers), and
+    passes the model with one inline-SDPA layer, which then trains on 1/cp of each sequence."""
+    for r in ranks(2).run(context_parallel_cases.first_forward_error, config=CP2, kind="no_attention", probe=False):
+        assert "never called smp.context_parallel.attention" in r["error"] and r["collectives"] > 0, r
+    for r in ranks(2).run(context_parallel_cases.first_forward_error, config=CP2, kind="mixed_sdpa", probe=False):
+        assert r["error"] == "" and r["collectives"] > 0, r
+
+
+def test_probe_that_cannot_run_falls_back_to_the_runtime_check(ranks):
+    """A forward that reads a tensor value cannot run on the meta device: smp warns and keeps the
+    runtime check, which passes a model calling smp's attention and refuses one that does not."""
+    for r in ranks(2).run(context_parallel_cases.first_forward_error, config=CP2, kind="reads_values"):
+        assert r["error"] == "", r
+        assert any("could not check _ValueReadingModel's attention" in w for w in r["warnings"]), r
+    for r in ranks(2).run(context_parallel_cases.first_forward_error, config=CP2, kind="reads_values_inline"):
+        assert "never called smp.context_parallel.attention" in r["error"], r
+        assert any("could not check" in w for w in r["warnings"]), r
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,14 @@
 """Model coverage generated from transformers' registry, not a hand-written list: every
 causal-LM family whose config ships a `base_model_tp_plan` (plus BERT-MLM, T5 and GPT-2, which
-have none), at a tiny shape, under FSDP full shard and delayed initialisation at world 2.
+have none), at a tiny shape, under FSDP full shard, delayed initialisation, TP=2 with the
+model's own plan, TP=2 + sequence parallel, and full checkpointing + activation offloading, at
+world 2, and TP=2 x FSDP 2 + sequence parallel at world 4.
 
-Each family must be exact against one process or refused by smp with a reason; a crash or a
-silent mismatch fails. A fast subset runs by default; the whole matrix is `slow` + `coverage`
-and runs only when selected (`pytest -m coverage`). scripts/model_coverage.py writes the same
-matrix to docs/model-coverage.md.
+Each family must be exact against one process or refused by smp with a reason; a crash, a
+silent mismatch, or a mode that did nothing (TP split no parameter, nothing offloaded) fails.
+A fast subset runs by default; the whole matrix is `slow` + `coverage` and runs only when
+selected (`pytest -m coverage`). scripts/model_coverage.py writes the same matrix to
+docs/model-coverage.md.
 """
 
 from __future__ import annotations
@@ -14,8 +17,17 @@ import pytest
 
 from tests import model_coverage_cases as cases
 
-MODES = {"fsdp": False, "delayed": True}  # mode -> delayed initialisation
-FAST = ["llama", "qwen2", "gemma", "gpt2", "bert-mlm", "t5"]
+# mode -> the families the default suite runs it on: each TP branch (the model's own plan,
+# smp's table for GPT-2, the refusal for a family with no plan), T5's nested configs under
+# checkpointing.
+FAST = {
+    "fsdp": ["llama", "qwen2", "gemma", "gpt2", "bert-mlm", "t5"],
+    "delayed": ["llama", "qwen2", "gemma", "gpt2", "bert-mlm", "t5"],
+    "tp2": ["qwen2", "gpt2", "t5"],
+    "tp2-sp": ["llama", "gpt2"],
+    "ac-offload": ["llama", "t5"],
+    "tp2-fsdp2-sp": ["llama"],
+}
 
 
 def _all_families() -> list[tuple[str, str | None]]:
@@ -26,7 +38,8 @@ def _check(ranks, family: str, reason: str | None, mode: str) -> None:
     reason = reason or cases.can_build(family)
     if reason:
         pytest.skip(reason)
-    for result in ranks(2).run(cases.classify, config={}, family=family, delayed=MODES[mode]):
+    world = cases.WORLD.get(mode, 2)
+    for result in ranks(world).run(cases.classify, family=family, timeout=240, **cases.MODES[mode]):
         assert result["status"] in ("exact", "refused"), f"{family} under {mode}: {result}"
         if result["status"] == "refused":
             assert len(result["detail"]) > 20, result  # the error names its reason
@@ -36,22 +49,33 @@ def test_registry_drives_the_matrix():
     families = dict(cases.registry_families())
     assert len(families) > 20 and "llama" in families and "qwen2" in families
     assert "gpt2" not in families  # no base_model_tp_plan: covered as an extra family
-    assert set(FAST) <= set(families) | set(cases.EXTRA_FAMILIES)
+    assert {f for fs in FAST.values() for f in fs} <= set(families) | set(cases.EXTRA_FAMILIES)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAST)
+@pytest.mark.parametrize("family,mode", [(f, m) for m, fs in FAST.items() for f in fs],
+                         ids=[f"{f}-{m}" for m, fs in FAST.items() for f in fs])
 def test_fast_subset(ranks, family, mode):
     _check(ranks, family, dict(_all_families()).get(family), mode)
 
 
+@pytest.mark.parametrize("config,why", [
+    ({**cases.AC_OFFLOAD, "activation_offload_min_bytes": 1 << 40}, "offloading moved no activation"),
+    ({**cases.TP2, "tensor_parallel": {"plan": {"model.norm": "replicate"}}}, "tensor parallel split no parameter"),
+], ids=["nothing-offloaded", "nothing-split"])
+def test_mode_that_did_nothing_is_not_exact(ranks, config, why):
+    """Negative control: numbers equal to one process prove nothing when the mode did nothing
+    (every activation under the offload threshold; a TP plan that splits no parameter)."""
+    for result in ranks(2).run(cases.classify, config=config, family="llama"):
+        assert result["status"] == "unproven" and why in result["detail"], result
+
+
 @pytest.mark.slow
 @pytest.mark.coverage
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", cases.MODES)
 @pytest.mark.parametrize("family,reason", _all_families(), ids=[f for f, _ in _all_families()])
 def test_every_family(ranks, request, family, reason, mode):
     if "coverage" not in (request.config.option.markexpr or ""):
-        pytest.skip("the whole matrix (~200 cells) runs only when selected: pytest -m coverage")
+        pytest.skip("the whole matrix (~600 cells) runs only when selected: pytest -m coverage")
     _check(ranks, family, reason, mode)
 
 

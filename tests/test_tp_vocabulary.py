@@ -65,6 +65,24 @@ def test_model_labels_loss_under_loss_parallel_needs_no_context(ranks, kind, con
     _check(ranks(2).run(cases.equivalence, config=config, kind=kind, loss_context=False))
 
 
+@pytest.mark.parametrize("plan", ["own", "stripped"])
+def test_gpt_oss_expert_biases(ranks, plan):
+    """GPT-OSS experts ([experts, in, out], gate/up interleaved) with their biases: the gate_up
+    bias split like its weight's output, the down bias added once. 'stripped': the plan names
+    no bias, each follows its weight."""
+    reports = ranks(2).run(cases.equivalence, config=TP2, kind="gpt_oss", plan=plan, timeout=300)
+    _check(reports)
+    diffs = reports[0]["grad_diffs"]
+    assert max(diffs["model.layers.0.mlp.experts.down_proj_bias"], diffs["model.layers.0.mlp.experts.gate_up_proj_bias"]) < TOL
+
+
+def test_gpt_oss_down_bias_added_on_every_rank_is_caught(ranks):
+    """Negative control: each rank adds the down bias to its partial output, the sum holds it twice."""
+    report = ranks(2).run(cases.equivalence, config=TP2, kind="gpt_oss", break_bias_once=True, timeout=300)[0]
+    assert report["loss_diff"] > 100 * TOL, report["loss_diff"]
+    assert report["grad_diffs"]["model.layers.0.mlp.experts.down_proj_bias"] > 100 * TOL, report["grad_diffs"]
+
+
 def test_gptj_head_count_is_per_rank(ranks):
     attrs = ranks(2).run(cases.region_attrs, config=TP2)[0]
     assert attrs == {"num_attention_heads": 2, "head_dim": 16, "config_heads": 4}, attrs

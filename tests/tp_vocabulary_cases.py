@@ -33,6 +33,19 @@ GPTJ_PLAN = {
 }
 
 
+# GPT-OSS ships no TP plan. Its experts carry biases and are stored [experts, in, out] with gate
+# and up interleaved; its attention's per-head `sinks` keep attention replicated here.
+GPT_OSS_PLAN = {
+    "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.mlp.experts": "moe_tp_experts",
+    "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "model.layers.*.mlp.experts.gate_up_proj_bias": "packed_colwise",
+    "model.layers.*.mlp.experts.down_proj": "rowwise",
+    "model.layers.*.mlp.experts.down_proj_bias": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
+
 def build(kind: str) -> nn.Module:
     import transformers as T
 
@@ -59,6 +72,15 @@ def build(kind: str) -> nn.Module:
         return T.Phi3ForCausalLM(T.Phi3Config(**_COMMON))
     if kind == "olmo2":  # full-width q_norm / k_norm on gathered q / k
         return T.Olmo2ForCausalLM(T.Olmo2Config(**_COMMON))
+    if kind == "gpt_oss":
+        model = T.GptOssForCausalLM(T.GptOssConfig(
+            **dict(_COMMON, intermediate_size=32), head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
+        with torch.no_grad():  # transformers inits biases to 0; a trained checkpoint's are not
+            for n, p in model.named_parameters():
+                if n.endswith("_bias"):
+                    p.normal_(std=0.1)
+        return model
     if kind == "gptj":
         return T.GPTJForCausalLM(T.GPTJConfig(
             n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, rotary_dim=8,
@@ -68,9 +90,12 @@ def build(kind: str) -> nn.Module:
 
 def plan_for(kind: str, plan: str) -> dict | None:
     """'own': the model's shipped plan (GPT-J: the user's); 'stripped': the shipped plan with its
-    `replicated_with_grad_allreduce` entries removed, passed as a user plan."""
+    `replicated_with_grad_allreduce` entries removed, passed as a user plan (GPT-OSS: the user's
+    plan without its expert-bias entries, which then follow their weights)."""
     if kind == "gptj":
         return GPTJ_PLAN
+    if kind == "gpt_oss":
+        return GPT_OSS_PLAN if plan == "own" else {k: v for k, v in GPT_OSS_PLAN.items() if not k.endswith("_bias")}
     if plan == "stripped":
         model = build(kind)
         return {k: v for k, v in model._tp_plan.items() if v != "replicated_with_grad_allreduce"}
@@ -86,11 +111,31 @@ def _break_partial_grad_sum() -> None:
     ReplicatedPartialGrad.grad_placement = Replicate()
 
 
+def _bias_added_on_every_rank(bias, first: bool):
+    """Negative control: a row-wise expert bias added by every TP rank, then summed."""
+    from torch.distributed.tensor import Partial
+
+    return bias.to_local(grad_placements=[Partial()])
+
+
 def equivalence(config: dict, kind: str, plan: str = "own", steps: int = 3, break_sync: bool = False,
-                loss_context: bool = True) -> dict:
+                loss_context: bool = True, break_bias_once: bool = False) -> dict:
     """TP run vs the single-process run on the same init and global batch: the largest loss and
     gradient gaps over `steps` SGD steps, and what smp applied. `loss_context=False` runs the
-    model's own `labels=` loss and its backward outside `smp.tensor_parallel.loss_parallel()`."""
+    model's own `labels=` loss and its backward outside `smp.tensor_parallel.loss_parallel()`.
+    `break_bias_once`: the negative control for row-wise expert biases (added on every rank)."""
+    from smp.tensor_parallel import moe
+
+    added_once = moe._added_once
+    if break_bias_once:
+        moe._added_once = _bias_added_on_every_rank
+    try:
+        return _equivalence(config, kind, plan, steps, break_sync, loss_context)
+    finally:
+        moe._added_once = added_once
+
+
+def _equivalence(config: dict, kind: str, plan: str, steps: int, break_sync: bool, loss_context: bool) -> dict:
     from torch.distributed.tensor import Partial
 
     from smp.tensor_parallel.styles import ReplicatedPartialGrad

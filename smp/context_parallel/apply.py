@@ -3,8 +3,10 @@ see whole sequences while each rank of `cp_mesh` holds only its chunks of them.
 
 Nothing is wrapped or resharded: a Hugging Face model's attention is switched to smp's
 ("smp_cp", smp/context_parallel/hf.py); a user model calls `smp.context_parallel.attention`
-itself. The batch is cut by `smp.context_parallel.shard_batch`. FSDP (applied after, over
-dp_shard x cp) reduces the gradients over every rank that saw part of the batch.
+itself. Attention that bypasses it is refused by the attention probe (probe.py) before the
+first forward communicates. The batch is cut by `smp.context_parallel.shard_batch`. FSDP
+(applied after, over dp_shard x cp) reduces the gradients over every rank that saw part of
+the batch.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from smp.context_parallel import hf
 from smp.context_parallel.attention import ALGORITHMS, ContextParallelSetup, activate
+from smp.context_parallel.probe import AttentionProbe, meta_stand_ins
 from smp.errors import ConfigError, UsageError
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str, load_balance: bool) -> None:
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str, load_balance: bool) -> AttentionProbe:
+    """Switch the model's attention to context parallel; returns the attention probe, which the
+    caller installs with `install_attention_probe` once FSDP has wrapped the model."""
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"context_parallel.algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     if hf.is_hf_model(model):
@@ -33,6 +38,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
     )
     activate(setup)
     _require_attention_calls(model, setup)
+    return AttentionProbe(setup=setup, stand_ins=meta_stand_ins(model))
 
 
 def _check_user_model(model: nn.Module) -> None:
@@ -47,7 +53,9 @@ def _check_user_model(model: nn.Module) -> None:
 
 def _require_attention_calls(model: nn.Module, setup: ContextParallelSetup) -> None:
     """A forward that never called the context parallel attention attended to 1/cp of each
-    sequence: wrong silently, so fail loudly after the first such forward."""
+    sequence: wrong silently, so fail loudly after the first such forward. The probe
+    (smp/context_parallel/probe.py) catches this before the first forward communicates; this
+    check stays for the forwards after it, and for models the probe cannot run."""
 
     def reset(*_: Any) -> None:
         setup.calls = 0

@@ -29,6 +29,7 @@ class ContextParallelSetup:
     algorithm: str
     load_balance: bool
     calls: int = field(default=0)  # attention calls in the current forward (the model check)
+    probing: bool = field(default=False)  # the meta-device probe runs (smp/context_parallel/probe.py)
 
 
 _ACTIVE: ContextParallelSetup | None = None
@@ -65,6 +66,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ca
     if setup is None:
         return _local_attention(query, key, value, causal, scale, sliding_window, key_padding_mask)
     setup.calls += 1
+    if setup.probing:  # meta tensors, nothing to communicate: the probe needs the call and the shape
+        return query.new_empty(b, heads, length, value.shape[-1])
     keep = (torch.ones(b, length, dtype=torch.bool, device=query.device) if key_padding_mask is None
             else key_padding_mask.to(torch.bool))
     seq_len = length * setup.size

@@ -1,5 +1,5 @@
-"""What expert parallelism costs per rank: all-to-all bytes per step and expert parameters held
-(for `smp plan` and bench/bench_expert_parallel.py)."""
+"""What expert parallelism costs per rank: all-to-all bytes per step (for `smp plan` and
+bench/bench_expert_parallel.py; the expert parameters a rank holds: smp/planning/experts.py)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,6 @@ def all_to_all_bytes_per_step(tokens: int, top_k: int, hidden: int, dtype_bytes:
     sends the forward pair again."""
     passes = 2 + 2 + (2 if recompute else 0)
     return grad_accum * moe_layers * passes * tokens * top_k * hidden * dtype_bytes * (ep - 1) // ep
-
-
-def expert_params(model: nn.Module) -> tuple[int, int]:
-    """(expert parameter elements this rank holds, expert parameter elements of the model)."""
-    params = [p for m in model.modules() if is_expert_parallel(m) for p in m.parameters(recurse=False)]
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
-    return local, sum(p.numel() for p in params)
 
 
 def planned_all_to_all_bytes(model: nn.Module, ep: int, tokens: int, hidden: int, dtype_bytes: int,

@@ -10,11 +10,19 @@ gap). So under expert parallelism the sums behind f and P (and the row count) ar
 the data-parallel ranks first; every rank then holds the one-process value, and its gradient
 (the probability sums travel through an autograd-aware all-gather) is the one-process
 gradient once FSDP averages the ranks' gradients.
+
+The same holds without expert parallelism: plain FSDP (or HSDP) with more than one data-parallel
+rank splits the batch the same way, so smp.transform installs the reduction whenever the batch
+is split. smp replaces a family's `load_balancing_loss_func` only after checking that it is the
+formula above (its signature, and its value on random router logits with and without a mask);
+a family whose function is another formula (Doge's product-key experts, Switch Transformers'),
+or a batch split over context-parallel ranks, is refused when the loss would be computed.
 """
 
 from __future__ import annotations
 
 import contextvars
+import inspect
 import sys
 from typing import Any, Callable
 
@@ -25,9 +33,13 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from smp.errors import ConfigError
 
-# The data-parallel group of the expert-parallel model whose forward is running, if any: the
-# patched loss function reduces over it; any other model (a reference copy) gets the original.
-_ACTIVE_GROUP: contextvars.ContextVar[dist.ProcessGroup | None] = contextvars.ContextVar("smp_moe_group", default=None)
+# While a transformed model's forward runs: the group its router statistics are summed over, or
+# why they cannot be (a message; the loss function raises it). Any other model (a reference
+# copy) sees None and gets the original function.
+_ACTIVE_GROUP: contextvars.ContextVar[dist.ProcessGroup | str | None] = contextvars.ContextVar(
+    "smp_moe_group", default=None
+)
+_STANDARD_ARGS = ["gate_logits", "num_experts", "top_k", "attention_mask"]
 
 
 def _summed(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -78,20 +90,51 @@ def global_load_balancing_loss(
 
 
 def _reduced(original: Callable[..., Any]) -> Callable[..., Any]:
-    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
         group = _ACTIVE_GROUP.get()
         if group is None:
-            return original(gate_logits, num_experts, top_k, attention_mask)
-        return global_load_balancing_loss(gate_logits, num_experts, top_k, attention_mask, group=group)
+            return original(*args, **kwargs)
+        if isinstance(group, str):
+            raise ConfigError(group)
+        return global_load_balancing_loss(*args, **kwargs, group=group)
 
     load_balancing_loss_func._smp_original = original  # type: ignore[attr-defined]
     return load_balancing_loss_func
 
 
-class _GroupDuringForward:
-    """Forward hooks that make `group` the active one while the model's forward runs."""
+def is_standard_loss(function: Callable[..., Any]) -> bool:
+    """`function` is transformers' Switch-Transformer load-balancing loss: the signature
+    (gate_logits, num_experts, top_k, attention_mask) and the value of
+    `global_load_balancing_loss` without a group, on random router logits of 2 layers with and
+    without an attention mask (a private generator: the caller's random stream is untouched)."""
+    function = getattr(function, "_smp_original", function)
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if [p.name for p in params[:4]] != _STANDARD_ARGS or any(p.default is p.empty for p in params[4:]):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    batch, seq, experts, top_k = 2, 5, 4, 2
+    logits = tuple(torch.randn(batch * seq, experts, generator=gen) for _ in range(2))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :2] = 0
+    for m in (None, mask):
+        try:
+            theirs = function(logits, experts, top_k, m)
+        except Exception:
+            return False
+        ours = global_load_balancing_loss(logits, experts, top_k, m)
+        if not isinstance(theirs, torch.Tensor) or not torch.allclose(theirs.float(), ours, rtol=1e-5, atol=1e-6):
+            return False
+    return True
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+
+class _GroupDuringForward:
+    """Forward hooks that make `group` (or a refusal message) the active one while the model's
+    forward runs."""
+
+    def __init__(self, group: dist.ProcessGroup | str) -> None:
         self.group = group
         self.tokens: list[contextvars.Token] = []
 
@@ -104,11 +147,16 @@ class _GroupDuringForward:
 
 
 def apply_load_balancing(
-    model: nn.Module, dp_group: dist.ProcessGroup, mode: str | None = None, aux_loss_coeff: float | None = None
+    model: nn.Module, token_group: dist.ProcessGroup | None, mode: str | None = None,
+    aux_loss_coeff: float | None = None, *, unsupported: str | None = None,
 ) -> None:
-    """Make `model`'s own load-balancing loss global over `dp_group`; `mode` ("aux_loss",
-    "none"; None keeps the model's setting) and `aux_loss_coeff` (None keeps the model's)
-    set the transformers switches `output_router_logits` and `router_aux_loss_coef`."""
+    """Make `model`'s own load-balancing loss global over `token_group`, the ranks that hold
+    different rows of the batch (None: one rank holds the whole batch; only the switches apply).
+    `mode` ("aux_loss", "none"; None keeps the model's setting) and `aux_loss_coeff` (None keeps
+    the model's) set the transformers switches `output_router_logits` and `router_aux_loss_coef`.
+    `unsupported`: why the batch's router statistics cannot be gathered (e.g. context parallel);
+    then, as for a family whose loss is not the standard formula, a model computing the loss is
+    refused: ConfigError now when its config turns the loss on, else when a forward computes it."""
     hf_config = getattr(model, "config", None)
     has_aux = hasattr(hf_config, "output_router_logits") and hasattr(model, "router_aux_loss_coef")
     if (mode is not None or aux_loss_coeff is not None) and not has_aux:
@@ -122,12 +170,31 @@ def apply_load_balancing(
         hf_config.output_router_logits = mode == "aux_loss"
     if aux_loss_coeff is not None:
         model.router_aux_loss_coef = hf_config.router_aux_loss_coef = aux_loss_coeff
+    if token_group is None and unsupported is None:
+        return  # the whole batch on every rank: the model's own loss is the one-process loss
     modeling = sys.modules.get(type(model).__module__)
     original = getattr(modeling, "load_balancing_loss_func", None)
     if original is None:
-        return
+        return  # no transformers load-balancing loss in this model's module (a user model: its own)
+    name = type(model).__name__
+    if unsupported is None and not is_standard_loss(original):
+        unsupported = (
+            f"{name}'s load-balancing loss ({modeling.__name__}.load_balancing_loss_func) is not the "
+            "Switch-Transformer formula smp knows how to sum over the data-parallel ranks, and the loss "
+            "of the whole batch is not the mean of the ranks' losses"
+        )
+    if unsupported is not None:
+        unsupported = (
+            f"{unsupported}: smp cannot give {name} the one-process load-balancing loss. Turn it off "
+            "(moe: {moe_load_balancing: none}, i.e. config.output_router_logits=False) and, if you need "
+            "it, add it to your loss from the router logits, e.g. "
+            "smp.expert_parallel.global_load_balancing_loss(router_logits, num_experts, top_k, "
+            "group=smp.state.dp_mesh.get_group())"
+        )
+        if getattr(hf_config, "output_router_logits", False):
+            raise ConfigError(unsupported)
     if not hasattr(original, "_smp_original"):
         modeling.load_balancing_loss_func = _reduced(original)
-    hooks = _GroupDuringForward(dp_group)
+    hooks = _GroupDuringForward(unsupported if unsupported is not None else token_group)
     model.register_forward_pre_hook(hooks.enter)
     model.register_forward_hook(hooks.exit, always_call=True)

@@ -12,11 +12,11 @@ import torch
 
 from smp.config import ConfigError, ConfigSource, load_config
 from smp.context_parallel import deactivate as deactivate_context_parallel
-from smp.expert_parallel.cost import expert_params
 from smp.mesh import ParallelDims
 from smp.models import build_causal_lm, resolve_model_config
 from smp.planning.activations import activation_bytes, saved_activation_bytes
 from smp.planning.communication import comm_bytes_per_step
+from smp.planning.experts import expert_account, find_experts
 from smp.planning.fake_world import fake_world
 from smp.planning.memory import (
     OPTIMIZER_STATE_FACTOR,
@@ -44,6 +44,7 @@ class ParallelismPlan:
     transient_bytes: int  # gathered parameters of the largest units + their unsharded gradients
     host_bytes: int  # what offloading keeps in host memory instead
     comm_bytes: dict[str, int] = field(default_factory=dict)  # per rank per optimizer step
+    experts: dict[str, int] = field(default_factory=dict)  # MoE models: `experts.expert_account`; {} if dense
     flops_per_token: float = 0.0
     total_params: int = 0
     seconds: float = 0.0
@@ -72,6 +73,15 @@ class ParallelismPlan:
         ]
         if self.host_bytes:
             lines.append(f"  host (offloaded)   {g(self.host_bytes)}")
+        if self.experts:
+            e = self.experts
+            lines += [
+                f"experts: {e['moe_layers']} MoE layers x {e['num_experts']} experts, top-{e['top_k']}, "
+                f"expert_parallel_degree {e['expert_parallel_degree']}",
+                f"  expert parameters  {e['params_total']:,} in the model, {e['params_ep_rank']:,} per ep rank "
+                f"(1/{e['expert_parallel_degree']}), {e['params_this_rank']:,} on this rank (FSDP over {e['fsdp_shard_size']})",
+                f"  expert param bytes {g(e['param_bytes_this_rank'])}  (part of parameters above)",
+            ]
         lines.append("communication per rank per step:")
         for key, value in self.comm_bytes.items():
             lines.append(f"  {key:<18} {g(value)}")
@@ -110,6 +120,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
             meta_model = build_causal_lm(model_cfg)
         # Activations first: one forward of the still unsharded model at this rank's micro-batch.
         blocks = find_blocks(meta_model, cfg.shard_modules)
+        experts = find_experts(meta_model, cfg, dims.ep)
         compute = p_bytes if cfg.mixed_precision.param_dtype else None
         # Under context parallel a rank holds seq_len / cp tokens of each sequence.
         local_seq = seq_len // dims.cp
@@ -126,13 +137,15 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
             layers=len(per_block), grad_accum=grad_accum,
         )
         transient = transient_bytes(meta_model, p_bytes, g_bytes)
-        expert_local, expert_total = expert_params(meta_model)
+        top_k = getattr(model_cfg, "num_experts_per_tok", None) or 1
+        expert_figures = expert_account(meta_model, experts, dims.ep, top_k)
         deactivate_context_parallel()  # its process group is the fake world's, about to go
 
     act_device, act_host, notes = activation_bytes(cfg, outside, per_block, block_input, dims.tp)
-    if expert_total:
-        notes.append(f"expert parallel {dims.ep}: this rank holds {expert_local:,} of {expert_total:,} expert "
-                     f"parameters (1/{dims.ep} of the experts, FSDP-sharded over the other {dims.dp // dims.ep})")
+    if dims.ep > 1:
+        notes.append(f"expert parallel assumes balanced routing: a rank's experts receive tokens x top_k choices "
+                     f"(activations) and each choice leaves the rank with probability {dims.ep - 1}/{dims.ep} "
+                     "(expert_all_to_all); the dispatch's own buffers are not counted")
     params, grads = sizes["padded"], sizes["padded"]
     opt = optimizer_state_bytes(optimizer, sizes)
     host = act_host
@@ -144,6 +157,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         world_size=world_size, rank=rank, mesh=dims.describe(), micro_batch=micro_batch, seq_len=seq_len,
         optimizer=optimizer, param_bytes=params, grad_bytes=grads, optimizer_bytes=opt,
         activation_bytes=act_device, transient_bytes=transient, host_bytes=host, comm_bytes=comm,
+        experts=expert_figures,
         flops_per_token=flops.per_token(seq_len), total_params=total_params,
         seconds=time.perf_counter() - start, notes=notes,
     )

@@ -13,6 +13,14 @@ packed_colwise`, `experts.down_proj: rowwise`. smp reads it the way transformers
   rank's gradient into them covers only its slice: summed in backward (`_SumBackward`). The
   router and any shared expert outside the plan thus see full gradients.
 
+Layouts follow the flags transformers' experts carry: `is_transposed` (GPT-OSS stores
+`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`: [experts, in, out]) and `is_concatenated`
+(False: gate and up interleaved `[g0, u0, g1, u1, ...]`, so a plain contiguous split keeps the
+pairs). Expert biases `[E, out]` (GPT-OSS's `gate_up_proj_bias`, `down_proj_bias`) take their
+weight's style unless the plan names them: a column-wise bias is split like its weight's output
+dim; a row-wise bias is whole on every rank and added on TP rank 0 only, so that the summed
+partial outputs hold it once (its gradient, whole on rank 0 and zero elsewhere, is Partial).
+
 Under sequence parallel the MoE block (the experts' parent, holding the router) gathers the
 sequence at its entry and hands a sequence shard back at its exit (styles.WholeSequence).
 """
@@ -25,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
@@ -66,26 +74,56 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def expert_placement(style: str, ndim: int, owner: str) -> Placement:
-    """Where a 3-D expert parameter `[experts, out, in]` is split, by its plan style."""
-    if ndim != 3:
+def expert_placement(style: str, ndim: int, owner: str, *, transposed: bool = False,
+                     interleaved: bool = False) -> Placement:
+    """Where an expert parameter is split, by its plan style: a 3-D weight laid out
+    `[experts, out, in]` (`[experts, in, out]` when `transposed`), a 2-D bias `[experts, out]`.
+    `interleaved`: a packed gate|up output stored `[g0, u0, g1, u1, ...]` (a contiguous slice
+    keeps each pair); otherwise `[gate | up]` (rank r keeps gate_r and up_r)."""
+    if ndim not in (2, 3):
         raise PlanError(
-            f"tensor-parallel plan: {owner} is {ndim}-D; smp splits expert parameters laid out "
-            "[experts, out, in] (3-D). Expert biases are not supported: drop the experts' "
-            "'moe_tp_experts' entry to keep them replicated, or set tensor_parallel_degree: 1"
+            f"tensor-parallel plan: {owner} is {ndim}-D; smp splits expert weights laid out "
+            "[experts, out, in] or [experts, in, out] (3-D) and expert biases [experts, out] (2-D). "
+            "Drop the experts' 'moe_tp_experts' entry to keep them replicated, or set "
+            "tensor_parallel_degree: 1"
         )
-    if style == "packed_colwise":  # [gate | up] on the out dim: rank r keeps gate_r and up_r
-        return _StridedShard(1, split_factor=2)
-    if style == "colwise":
-        return Shard(1)
-    if style == "rowwise":
-        return Shard(2)
+    out_dim, in_dim = (ndim - 1, ndim - 2) if transposed or ndim == 2 else (1, 2)
+    if style in ("rowwise", "packed_rowwise") and ndim == 2:
+        return Replicate()  # a row-wise bias acts on the summed output: added once (MoeExperts)
+    if style == "colwise" or (style == "packed_colwise" and interleaved):
+        return Shard(out_dim)
+    if style == "packed_colwise":
+        return _StridedShard(out_dim, split_factor=2)
+    if style == "rowwise" or (style == "packed_rowwise" and interleaved):
+        return Shard(in_dim)
     if style == "packed_rowwise":
-        return _StridedShard(2, split_factor=2)
+        return _StridedShard(in_dim, split_factor=2)
     raise PlanError(
         f"tensor-parallel plan: style {style!r} on expert parameter {owner}; expert parameters take "
         "'packed_colwise', 'colwise', 'rowwise' or 'packed_rowwise'"
     )
+
+
+def _style_of(param_styles: dict[str, str], pname: str, ndim: int) -> str | None:
+    """A parameter's own entry; a bias (`<weight>_bias`, 2-D) without one follows its weight."""
+    own = param_styles.get(pname)
+    weight = param_styles.get(pname.removesuffix("_bias")) if ndim == 2 and pname.endswith("_bias") else None
+    if own and weight and (own.endswith("colwise") != weight.endswith("colwise")):
+        raise PlanError(
+            f"tensor-parallel plan: expert bias {pname} is {own!r} but its weight "
+            f"{pname.removesuffix('_bias')} is {weight!r}; a bias is split like its weight's output, "
+            "so give it the weight's style (or drop its entry: it then follows the weight)"
+        )
+    return own or weight
+
+
+def _added_once(bias: DTensor, first: bool) -> torch.Tensor:
+    """A row-wise expert bias as this rank's experts add it. Their forward adds it to every
+    rank's partial output, and the partial outputs are then summed: only TP rank 0 keeps it.
+    `* 0` rather than zeros keeps the graph, so every rank has a gradient (whole on rank 0,
+    zero elsewhere: Partial, summed by DTensor)."""
+    local = bias.to_local(grad_placements=[Partial()])
+    return local if first else local * 0
 
 
 class MoeExperts(ParallelStyle):
@@ -99,21 +137,34 @@ class MoeExperts(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         params = dict(module.named_parameters(recurse=False))
-        missing = sorted(set(params) - set(self.param_styles))
+        styles = {pname: _style_of(self.param_styles, pname, p.ndim) for pname, p in params.items()}
+        missing = sorted(pname for pname, style in styles.items() if style is None)
         if missing:
             raise PlanError(
                 f"tensor-parallel plan: {self.name!r} is styled 'moe_tp_experts' but its parameters "
                 f"{missing} have no entry; add e.g. '{self.name}.{missing[0]}': 'rowwise' (or "
                 "'packed_colwise' for a fused gate|up), so that every expert weight is split"
             )
+        transposed = bool(getattr(module, "is_transposed", False))
+        interleaved = getattr(module, "is_concatenated", True) is False
+        added_once = set()  # row-wise biases: whole on every rank, added on TP rank 0 only
         for pname, p in params.items():
-            placement = expert_placement(self.param_styles[pname], p.ndim, f"{self.name}.{pname}")
+            placement = expert_placement(styles[pname], p.ndim, f"{self.name}.{pname}",
+                                         transposed=transposed, interleaved=interleaved)
+            if isinstance(placement, Replicate):
+                added_once.add(pname)
             module.register_parameter(pname, nn.Parameter(
                 distribute_tensor(p, device_mesh, [placement], src_data_rank=self.src_data_rank),
                 requires_grad=p.requires_grad,
             ))
         group = device_mesh.get_group()
+        first = device_mesh.get_local_rank() == 0
         original_forward = module.forward
+
+        def local_param(pname: str, p: DTensor) -> torch.Tensor:
+            if pname in added_once:
+                return _added_once(p, first)
+            return p.to_local()  # its gradient is exactly this rank's slice: placement as the param's
 
         def forward(hidden_states: torch.Tensor, *routing: Any, **kwargs: Any) -> torch.Tensor:
             hidden_states = _SumBackward.apply(_local(hidden_states), group)
@@ -124,8 +175,8 @@ class MoeExperts(ParallelStyle):
             saved = dict(module._parameters)
             try:
                 for pname, p in saved.items():
-                    if isinstance(p, DTensor):  # its gradient is exactly this rank's slice: grad placement as the param's
-                        module._parameters[pname] = p.to_local()  # type: ignore[assignment]
+                    if isinstance(p, DTensor):
+                        module._parameters[pname] = local_param(pname, p)  # type: ignore[assignment]
                 out = original_forward(hidden_states, *routing, **kwargs)
             finally:
                 module._parameters.update(saved)
