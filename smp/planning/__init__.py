@@ -10,7 +10,8 @@ seconds and with no memory: a 1024-rank plan of an 8B model runs on a laptop.
     fake_world.py     the fake process group
     memory.py         parameter, gradient, optimizer-state and gathered bytes from FSDP's shards
     communication.py  collective bytes per step (bandwidth-optimal formulas)
-    activations.py    saved-tensor bytes of one meta forward (fused attention stands in for SDPA)
+    activations.py    saved-tensor bytes of one meta forward (stand-ins for SDPA and MoE grouped matmul)
+    experts.py        MoE experts: the expert parameters a rank holds
     report.py         `plan()` and its `ParallelismPlan` report
     search.py         `suggest()`: the smallest degrees that fit a device
 """
