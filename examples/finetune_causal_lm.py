@@ -300,6 +300,7 @@ def main(argv=None) -> None:
     log(f"smp: {st.dims.describe()}, {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{train_rows.shape[0]} training rows of {args.seq_len} tokens, steps {start_step}..{args.steps}", flush=True)
     writer = metrics.MetricsWriter(out_dir, enabled=is_main, append=start_step > 0)
+    expert_meter = metrics.ExpertLoadMeter(model)  # tokens per expert per step (MoE models; else nothing)
     progress = metrics.Progress(args.steps, start_step, enabled=is_main and args.progress)
 
     first_loss = last_loss = None
@@ -335,7 +336,10 @@ def main(argv=None) -> None:
         record = {"loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm), "step_seconds": seconds,
                   **meter.step(tokens_per_step, seconds),
                   **peaks,
-                  "grad_sync_bytes_per_rank": sync_bytes, "grad_sync_bytes_source": sync_source}
+                  "grad_sync_bytes_per_rank": sync_bytes, "grad_sync_bytes_source": sync_source,
+                  # Summed over every rank; the tp ranks of a group route the same tokens.
+                  **expert_meter.record(torch.distributed.group.WORLD if st.world_size > 1 else None,
+                                        copies=st.dims.tp)}
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 or done == args.steps:
             record["eval_loss"] = evaluate(model, eval_rows, args, st)

@@ -191,9 +191,9 @@ class ExpertLoadMeter:
 
     Counts come from the `top_k_index` every experts module receives (the modules the model's
     expert-parallel plan names, or `plan`; docs/expert-parallel.md), with or without expert
-    parallelism, summed over the forwards since the last `record` (micro-batches included). A
-    forward recomputed in backward by activation checkpointing is not counted again. A model
-    without MoE layers records nothing."""
+    parallelism, summed over the training-mode forwards since the last `record` (micro-batches
+    included; evaluation in eval mode is not counted). A forward recomputed in backward by
+    activation checkpointing is not counted again. A model without MoE layers records nothing."""
 
     def __init__(self, model: nn.Module, plan: dict[str, str] | None = None) -> None:
         ep_plan = resolve_ep_plan(model, plan)
@@ -204,9 +204,10 @@ class ExpertLoadMeter:
 
     def _counter(self, layer: int, num_experts: int):
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            # Inside backward (a graph task is running) this forward is a checkpointing recompute
-            # of one already counted. (torch has no public name for this test.)
-            if torch._C._current_graph_task_id() != -1:
+            # Evaluation (module.eval()) is not training; inside backward (a graph task is running)
+            # a forward is a checkpointing recompute of one already counted (torch has no public
+            # name for this test).
+            if not module.training or torch._C._current_graph_task_id() != -1:
                 return
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
             counts = torch.bincount(index.reshape(-1), minlength=num_experts)  # stays on the device
@@ -222,8 +223,8 @@ class ExpertLoadMeter:
           expert, summed over the ranks of `group` (None: this rank) and divided by `copies`, the
           number of its ranks that see the same tokens (tensor-parallel ranks);
         - `expert_load_max_over_mean`: the busiest expert's count over the mean count, in the
-          least balanced layer (1.0: perfectly even; under expert parallelism that layer's
-          slowest rank sets the pace). None when no token was routed.
+          least balanced layer (1.0: perfectly even; under expert parallelism the rank holding
+          that expert sets the layer's pace). None when no token was routed.
 
         Every rank of `group` must call it (one all-reduce)."""
         if not self.layers:

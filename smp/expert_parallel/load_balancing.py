@@ -116,8 +116,9 @@ def is_standard_loss(function: Callable[..., Any]) -> bool:
         return False
     gen = torch.Generator().manual_seed(0)
     batch, seq, experts, top_k = 2, 5, 4, 2
-    logits = tuple(torch.randn(batch * seq, experts, generator=gen) for _ in range(2))
-    mask = torch.ones(batch, seq, dtype=torch.long)
+    # On the CPU by name: `smp plan` transforms under a meta device context.
+    logits = tuple(torch.randn(batch * seq, experts, generator=gen, device="cpu") for _ in range(2))
+    mask = torch.ones(batch, seq, dtype=torch.long, device="cpu")
     mask[0, :2] = 0
     for m in (None, mask):
         try:
@@ -187,9 +188,9 @@ def apply_load_balancing(
         unsupported = (
             f"{unsupported}: smp cannot give {name} the one-process load-balancing loss. Turn it off "
             "(moe: {moe_load_balancing: none}, i.e. config.output_router_logits=False) and, if you need "
-            "it, add it to your loss from the router logits, e.g. "
-            "smp.expert_parallel.global_load_balancing_loss(router_logits, num_experts, top_k, "
-            "group=smp.state.dp_mesh.get_group())"
+            "one, add to your loss a balancing loss whose router statistics are summed over every rank "
+            "that holds other tokens of the batch (smp.expert_parallel.global_load_balancing_loss("
+            "router_logits, num_experts, top_k, group=...) is the Switch-Transformer one)"
         )
         if getattr(hf_config, "output_router_logits", False):
             raise ConfigError(unsupported)
