@@ -253,8 +253,9 @@ def classify(config: dict, family: str, delayed: bool = False) -> dict:
     except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with its traceback
         return {"status": "crash", "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
     exact = report["loss_diff"] < TOL and report["grad_diff"] < TOL and (not delayed or report["param_diff"] == 0.0)
-    if exact and _unproven(config, report):
-        return {"status": "unproven", "detail": _unproven(config, report)}
+    unproven = _unproven(config, report)
+    if exact and unproven:
+        return {"status": "unproven", "detail": unproven}
     cell = {"status": "exact" if exact else "mismatch", "detail": {k: v for k, v in report.items() if k != "losses"}}
     if report["eval_mode"]:
         cell["note"] = "eval mode: its training forward draws random numbers (sampled routing)"

@@ -108,3 +108,23 @@ def test_matching_draws_materialise_like_eager():
     materialize_meta_model(model, torch.device("cpu"), seed=0)
     expected = eager.state_dict()
     assert all(torch.equal(t, expected[n]) for n, t in model.state_dict().items())
+
+
+def test_colwise_fused_gate_up_is_refused(ranks):
+    """Inkling2 ships 'colwise' on its experts' fused [gate | up] (the forward chunks it in two):
+    split contiguously, one rank held the gates and the other the ups, and TP=2 trained silently
+    wrong (loss 1e-3, gradients 1.2e-2 off). Refused, naming the entry to pass instead."""
+    for result in ranks(2).run(cases.classify, family="inkling2_text", **cases.MODES["tp2"]):
+        assert result["status"] == "refused", result
+        assert "'model.layers.*.mlp.experts.gate_up_proj': 'packed_colwise'" in result["detail"], result
+
+
+def test_fused_gate_up_fix_named_in_the_refusal_is_exact(ranks):
+    """Control: the same plan with the entry the refusal names is exact against one process."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    plan = {f"model.{k}": v for k, v in CONFIG_MAPPING["inkling2_text"].base_model_tp_plan.items()}
+    plan.update({"lm_head": "colwise_gather_output", "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise"})
+    config = {**cases.TP2, "tensor_parallel": {"plan": plan}}
+    for result in ranks(2).run(cases.classify, config=config, family="inkling2_text"):
+        assert result["status"] == "exact", result

@@ -27,6 +27,7 @@ sequence at its entry and hands a sequence shard back at its exit (styles.WholeS
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -147,6 +148,15 @@ class MoeExperts(ParallelStyle):
             )
         transposed = bool(getattr(module, "is_transposed", False))
         interleaved = getattr(module, "is_concatenated", True) is False
+        if styles.get("gate_up_proj") == "colwise" and not interleaved:
+            # Some shipped plans (Inkling2's) say 'colwise' here: a contiguous split would give
+            # rank 0 only gate rows and rank 1 only up rows, and train silently wrong.
+            pattern = re.sub(r"[.]\d+[.]", ".*.", self.name)  # every layer's experts
+            raise PlanError(
+                f"tensor-parallel plan: '{pattern}.gate_up_proj': 'colwise' would split a fused "
+                "[gate | up] contiguously (one rank all gates, the other all ups); pass a tp_plan with "
+                f"'{pattern}.gate_up_proj': 'packed_colwise' (each rank keeps its slice of both)"
+            )
         added_once = set()  # row-wise biases: whole on every rank, added on TP rank 0 only
         for pname, p in params.items():
             placement = expert_placement(styles[pname], p.ndim, f"{self.name}.{pname}",
