@@ -38,7 +38,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
     )
     activate(setup)
     _require_attention_calls(model, setup)
-    return AttentionProbe(setup=setup, stand_ins=meta_stand_ins(model))
+    skipped = hf.LOSS_INPUTS if hf.is_hf_model(model) else ()
+    return AttentionProbe(setup=setup, stand_ins=meta_stand_ins(model), skipped_inputs=skipped)
 
 
 def _check_user_model(model: nn.Module) -> None:

@@ -18,6 +18,8 @@ from smp.context_parallel.attention import attention
 from smp.errors import ConfigError, UsageError
 
 IMPLEMENTATION = "smp_cp"
+# The keyword inputs of a causal LM's forward that only its loss reads (what shard_batch adds).
+LOSS_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
 
 # Model-config settings whose attention smp cannot reproduce exactly across chunks.
 _UNSUPPORTED_CONFIG = {
