@@ -105,6 +105,14 @@ def build(kind: str) -> nn.Module:
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=6,
         ))
+    if kind == "mixtral":  # MoE: experts through grouped_mm, which the attention probe stands in for on meta
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, num_local_experts=4,
+            num_experts_per_tok=2,
+        ))
     if kind == "user":
         return UserModel()
     raise ValueError(kind)

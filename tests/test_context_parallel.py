@@ -48,6 +48,7 @@ MATRIX = [
     (2, CP2_UNBALANCED, "llama", True),
     (2, CP2_ALLGATHER, "llama", True),
     (2, CP2, "qwen2", True),
+    (2, CP2, "mixtral", True),
     (2, CP2_UNBALANCED, "mistral", False),
     (2, CP2, "user", True),
     (2, CP2_UNBALANCED, "user", False),

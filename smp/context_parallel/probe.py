@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from smp.context_parallel.attention import ContextParallelSetup
 from smp.errors import UsageError
+from smp.meta_ops import shape_only_grouped_mm
 
 FIX = "compute attention with smp.context_parallel.attention(q, k, v, causal=True)"
 
@@ -149,7 +150,8 @@ def probe_forward(model: nn.Module, stand_ins: dict[str, torch.Tensor], setup: C
     calls_before = setup.calls
     setup.probing, setup.calls = True, 0
     try:
-        with _bare_modules(model, names, watch.modules), torch.no_grad(), _FunctionWatch(watch), _OperatorWatch(watch):
+        with (_bare_modules(model, names, watch.modules), torch.no_grad(), shape_only_grouped_mm(),
+              _FunctionWatch(watch), _OperatorWatch(watch)):
             functional_call(model, stand_ins, meta_args, meta_kwargs, strict=False)
     except ProbeAborted:
         raise

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from smp.config import SMPConfig
+from smp.meta_ops import shape_only_grouped_mm
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -46,47 +47,6 @@ def _fused_attention() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
-
-
-class _GroupedMM(torch.autograd.Function):
-    """Stands in for torch.nn.functional.grouped_mm while counting: transformers' MoE experts
-    (`grouped_mm` implementation, their default) run one grouped matmul over the token choices
-    sorted by expert. torch's meta kernel accepts only bf16; this one takes any dtype and saves
-    what the real op saves for backward, its two operands. The row count, tokens x top_k, does
-    not depend on the routing, so no routing values are needed on meta."""
-
-    @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
-                out_dtype: torch.dtype | None) -> torch.Tensor:
-        ctx.save_for_backward(a, b)
-        return a.new_empty(a.shape[0], b.shape[-1], dtype=out_dtype or a.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        a, b = ctx.saved_tensors
-        return torch.empty_like(a), torch.empty_like(b), None, None
-
-
-@contextlib.contextmanager
-def _grouped_mm() -> Iterator[None]:
-    import torch.nn.functional as F
-
-    original = getattr(F, "grouped_mm", None)
-    if original is None:  # a torch without it: transformers takes its own fallback op
-        yield
-        return
-
-    def grouped_mm(a, b, *args: Any, offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
-        if bias is not None or args or kwargs or a.dim() != 2 or b.dim() != 3:
-            return original(a, b, *args, offs=offs, bias=bias, out_dtype=out_dtype, **kwargs)
-        return _GroupedMM.apply(a, b, offs, out_dtype)
-
-    F.grouped_mm = grouped_mm
-    try:
-        yield
-    finally:
-        F.grouped_mm = original
 
 
 def saved_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, blocks: list[nn.Module],
@@ -130,7 +90,7 @@ def saved_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, blo
         handles.append(block.register_forward_hook(leave))
     try:
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention(), _grouped_mm():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention(), shape_only_grouped_mm():
             # use_cache=True: without a cache transformers inspects position ids for packed
             # sequences with a data-dependent branch, which meta tensors cannot take.
             out = model(input_ids=ids, labels=ids, use_cache=True)
