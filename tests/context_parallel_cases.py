@@ -333,10 +333,12 @@ class _ValueReadingModel(UserModel):
     """Reads a tensor value in forward (which the meta-device probe cannot); `inline`: every
     layer computes attention with F.scaled_dot_product_attention."""
 
-    def __init__(self, inline: bool) -> None:
+    def __init__(self, inline: bool, mixed: bool = False) -> None:
         super().__init__()
         if inline:
             self.layers = nn.ModuleList(InlineSDPABlock(32, 64) for _ in self.layers)
+        if mixed:  # only the last layer computes attention inline
+            self.layers[-1] = InlineSDPABlock(32, 64)
 
     def forward(self, input_ids, position_ids, attention_mask=None):
         if int(input_ids.max()) >= VOCAB:
@@ -362,8 +364,8 @@ def _bad_model(kind: str) -> nn.Module:
         return _with_layer(InlineSDPABlock)
     if kind == "hand_softmax":
         return _with_layer(HandWrittenAttentionBlock)
-    if kind in ("reads_values", "reads_values_inline"):
-        return _ValueReadingModel(inline=kind == "reads_values_inline")
+    if kind in ("reads_values", "reads_values_inline", "reads_values_mixed"):
+        return _ValueReadingModel(inline=kind == "reads_values_inline", mixed=kind == "reads_values_mixed")
     if kind == "gemma2_softcap":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 

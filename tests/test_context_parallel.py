@@ -174,13 +174,18 @@ def test_without_the_probe_errors_come_late_or_never(ranks):
 
 
 def test_probe_that_cannot_run_falls_back_to_the_runtime_check(ranks):
-    """A forward that reads a tensor value cannot run on the meta device: smp warns and keeps the
-    runtime check, which passes a model calling smp's attention and refuses one that does not."""
+    """A forward that reads a tensor value cannot run on the meta device: smp warns, watches the
+    first real forward for inline SDPA and keeps the runtime check; it passes a model calling
+    smp's attention and refuses one that computes attention itself, in every layer or in one."""
     for r in ranks(2).run(context_parallel_cases.first_forward_error, config=CP2, kind="reads_values"):
         assert r["error"] == "", r
         assert any("could not check _ValueReadingModel's attention" in w for w in r["warnings"]), r
     for r in ranks(2).run(context_parallel_cases.first_forward_error, config=CP2, kind="reads_values_inline"):
         assert "never called smp.context_parallel.attention" in r["error"], r
+        assert any("could not check" in w for w in r["warnings"]), r
+    # One inline layer among smp-attention layers: the first real forward is watched instead.
+    for r in ranks(2).run(context_parallel_cases.first_forward_error, config=CP2, kind="reads_values_mixed"):
+        assert "layers.1 (InlineSDPABlock) calls F.scaled_dot_product_attention" in r["error"], r
         assert any("could not check" in w for w in r["warnings"]), r
 
 

@@ -83,6 +83,13 @@ def test_gpt_oss_down_bias_added_on_every_rank_is_caught(ranks):
     assert report["grad_diffs"]["model.layers.0.mlp.experts.down_proj_bias"] > 100 * TOL, report["grad_diffs"]
 
 
+def test_expert_bias_split_unlike_its_weight_is_refused(ranks):
+    plan = dict(cases.GPT_OSS_PLAN, **{"model.layers.*.mlp.experts.gate_up_proj_bias": "rowwise"})
+    for message in ranks(2).run(cases.transform_error, config=TP2, kind="gpt_oss", plan=plan):
+        assert message.startswith("PlanError") and "gate_up_proj_bias is 'rowwise'" in message, message
+        assert "give it the weight's style" in message, message
+
+
 def test_gptj_head_count_is_per_rank(ranks):
     attrs = ranks(2).run(cases.region_attrs, config=TP2)[0]
     assert attrs == {"num_attention_heads": 2, "head_dim": 16, "config_heads": 4}, attrs

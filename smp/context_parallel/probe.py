@@ -109,14 +109,39 @@ def install_attention_probe(model: nn.Module, probe: AttentionProbe) -> None:
             handle.remove()
             warnings.warn(
                 f"context parallel: smp could not check {_class_name(module)}'s attention on the meta "
-                f"device before the first forward ({e}); it checks only that smp.context_parallel.attention "
-                f"is called", stacklevel=2,
+                f"device before the first forward ({e}); it checks this first forward as it runs "
+                f"(F.scaled_dot_product_attention outside smp's attention) and that every forward calls "
+                f"smp.context_parallel.attention", stacklevel=2,
             )
+            _watch_this_forward(module, setup.size)
             return
         check_report(report, _class_name(module), setup.size)
         handle.remove()
 
     handle = model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
+
+
+def _watch_this_forward(model: nn.Module, cp_size: int) -> None:
+    """The fallback when the meta replay cannot run: watch the real forward that is starting for
+    F.scaled_dot_product_attention (the common inline form) and raise after it. Later than the
+    probe (its collectives have run) but loud, and on every rank alike."""
+    report = ProbeReport(attention_calls=1)  # the call count is the runtime check's business
+    names = {id(m): _describe(model, name, m) for name, m in model.named_modules()}
+    watch = _Watch(set(), report)
+    mode = _FunctionWatch(watch)
+    enter_hooks = [m.register_forward_pre_hook(functools.partial(_enter, watch.modules, names[id(m)]))
+                   for m in model.modules() if m is not model]
+    leave_hooks = [m.register_forward_hook(functools.partial(_leave, watch.modules), always_call=True)
+                   for m in model.modules() if m is not model]
+
+    def done(*_: Any) -> None:
+        mode.__exit__(None, None, None)
+        for h in enter_hooks + leave_hooks + [finish]:
+            h.remove()
+        check_report(report, _class_name(model), cp_size)
+
+    mode.__enter__()
+    finish = model.register_forward_hook(done, always_call=True)
 
 
 def check_report(report: ProbeReport, model_name: str, cp_size: int) -> None:
