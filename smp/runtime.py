@@ -21,6 +21,7 @@ from smp.config import ConfigError, ConfigSource, SMPConfig, load_config
 from smp.mesh import ParallelDims, default_backend, device_type_for
 from smp.reliability.guard import stop_watchdog
 from smp.reliability.rendezvous import restart_safe_store
+from smp.reliability.teardown import barrier_each, forget_mesh_groups, release_at_exit, release_unreferenced_groups
 from smp.reliability.timeouts import apply_collective_timeout, rendezvous_timeout
 from smp.seeding import seed_everything
 
@@ -269,20 +270,38 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
 def shutdown() -> None:
     """Forget smp's state; destroy the process group if smp created it.
 
-    A barrier comes first: gloo can abort at exit when one rank tears down while another
-    is still in its last collective (see docs/platform.md).
+    Barriers come first (on each mesh group, then the world), so that no rank tears down while
+    a peer is still in its last collective. Then the groups nothing references any more are
+    destroyed at once, and again at exit, so that gloo's worker threads are joined before the
+    interpreter finalizes: a worker still alive then can abort the process (see
+    smp/reliability/teardown.py and docs/platform.md).
     """
     global _STATE
     if _STATE is None:
         return
-    owns = _STATE.owns_process_group
+    st, owns = _STATE, _STATE.owns_process_group
+    mesh_groups = _mesh_groups(st)
     for hook in _SHUTDOWN_HOOKS:
         hook()
     _STATE = None
     stop_watchdog()  # smp.step_guard's thread polls the store that is about to go
     if owns and dist.is_initialized():
+        barrier_each(mesh_groups)
         dist.barrier()
         dist.destroy_process_group()
+        forget_mesh_groups([st.mesh, st.dp_mesh])
+        del st, mesh_groups
+        release_unreferenced_groups()
+        release_at_exit()
+
+
+def _mesh_groups(st: _State) -> list[dist.ProcessGroup]:
+    """This rank's groups of the mesh and of its flattened dp axis, in creation order, once each."""
+    groups: dict[int, dist.ProcessGroup] = {}
+    for mesh in (st.mesh, st.dp_mesh):
+        for group in mesh.get_all_groups():
+            groups.setdefault(id(group), group)
+    return list(groups.values())
 
 
 @contextlib.contextmanager

@@ -3,7 +3,12 @@ everything alive at exit (mesh groups, FSDP, step_guard's watchdog, a checkpoint
 metrics writer). tests/test_exit.py and bench/exit_loop.py run it many times; every run must
 exit 0 on every rank.
 
-    torchrun --standalone --nproc-per-node 2 tests/exit_worker.py OUT_DIR [--async-save]
+    torchrun --standalone --nproc-per-node 2 tests/exit_worker.py OUT_DIR [--async-save] [--old-teardown]
+
+At exit, after every other atexit handler, each rank prints how many gloo native threads are
+still alive ("gloo threads at exit: N"): smp.shutdown must leave none for the interpreter's
+finalization to race with (smp/reliability/teardown.py). --old-teardown turns smp's release of
+the groups off (the shutdown before the fix): the negative control.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import atexit
+
 import torch
 
 import smp
 from smp import metrics
+from smp.reliability.teardown import gloo_thread_count
 from smp.testing.models import TinyTransformer
 
 
@@ -26,7 +34,14 @@ def main() -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--old-teardown", action="store_true")
     args = ap.parse_args()
+    # Registered before smp.shutdown registers its exit handler, so it runs after it (atexit is
+    # LIFO): it sees what the interpreter's finalization will find.
+    atexit.register(_report_threads_at_exit)
+    if args.old_teardown:
+        for name in ("forget_mesh_groups", "release_unreferenced_groups", "release_at_exit"):
+            setattr(smp.runtime, name, lambda *a: None)
     torch.set_num_threads(1)
     smp.init({"backend": "gloo", "random_seed": 0})
     rank = smp.state.rank
@@ -48,12 +63,19 @@ def main() -> None:
     smp.shutdown()
 
 
-def run_torchrun(out_dir: str, async_save: bool = False, timeout: float = 300.0) -> tuple[int, str]:
+def _report_threads_at_exit() -> None:
+    print(f"[exit_worker] rank {os.environ.get('RANK')} gloo threads at exit: "
+          f"{gloo_thread_count()}", flush=True)
+
+
+def run_torchrun(out_dir: str, async_save: bool = False, timeout: float = 300.0,
+                 old_teardown: bool = False) -> tuple[int, str]:
     """Run this script on 2 ranks under torchrun: (torchrun's exit status, its output); -9 when
     it was killed at `timeout`."""
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, out_dir, *(["--async-save"] if async_save else [])]
+           __file__, out_dir, *(["--async-save"] if async_save else []),
+           *(["--old-teardown"] if old_teardown else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     env.pop("SMP_CONFIG", None)
     try:

@@ -358,10 +358,17 @@ def wait_at_shutdown() -> None:
     pending async save before the process group goes.
     A failure is logged, not raised (shutdown must finish); that checkpoint stays uncommitted,
     so latest() never returns it."""
+    global _async_group, _async_group_world
     try:
         wait()
     except BaseException as e:  # noqa: BLE001
         log.error("smp.checkpointing: the pending async save failed and was not committed: %s", e)
+    # This module's reference would keep the group, and its gloo threads, alive into interpreter
+    # finalization (see smp/reliability/teardown.py). The next session's first async save makes
+    # a new one. After wait(), no rank has work left on it: destroying it needs no peer.
+    group, _async_group, _async_group_world = _async_group, None, None
+    if group is not None and _dist() and group in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(group)
 
 
 def _check_directory(path: str) -> dict[str, Any]:
