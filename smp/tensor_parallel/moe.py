@@ -118,6 +118,27 @@ def _style_of(param_styles: dict[str, str], pname: str, ndim: int) -> str | None
     return own or weight
 
 
+# Each rank runs its slice of every expert, so the split is always the intermediate dim: the
+# output of the fused gate|up (or of a separate gate / up), the input of down.
+_ROW_ROLE, _COL_ROLE = ("down_proj",), ("gate_up_proj", "gate_proj", "up_proj")
+_SWAP = {"colwise": "rowwise", "rowwise": "colwise", "packed_colwise": "packed_rowwise", "packed_rowwise": "packed_colwise"}
+
+
+def _by_role(pname: str, style: str) -> str:
+    """The style of an expert parameter stored [experts, in, out], read by its role.
+
+    transformers names expert styles by tensor dim (colwise: dim -2, rowwise: dim -1) whatever
+    the layout, so its shipped plans for [experts, in, out] experts say gate_up_proj
+    'packed_rowwise' and down_proj 'colwise' (Aria); a plan written by role says 'packed_colwise'
+    and 'rowwise' (GPT-OSS's). Both mean the intermediate dim: a style that would split another
+    dim is transformers' name for that one."""
+    role = pname.removesuffix("_bias")
+    is_row = style in ("rowwise", "packed_rowwise")
+    if (role in _ROW_ROLE and not is_row) or (role in _COL_ROLE and is_row):
+        return _SWAP.get(style, style)
+    return style
+
+
 def _added_once(bias: DTensor, first: bool) -> torch.Tensor:
     """A row-wise expert bias as this rank's experts add it. Their forward adds it to every
     rank's partial output, and the partial outputs are then summed: only TP rank 0 keeps it.
@@ -148,6 +169,8 @@ class MoeExperts(ParallelStyle):
             )
         transposed = bool(getattr(module, "is_transposed", False))
         interleaved = getattr(module, "is_concatenated", True) is False
+        if transposed:
+            styles = {pname: _by_role(pname, style) for pname, style in styles.items()}
         if styles.get("gate_up_proj") == "colwise" and not interleaved:
             # Some shipped plans (Inkling2's) say 'colwise' here: a contiguous split would give
             # rank 0 only gate rows and rank 1 only up rows, and train silently wrong.

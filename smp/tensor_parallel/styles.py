@@ -285,11 +285,19 @@ class WholeSequence(ParallelStyle):
                 x = DTensor.from_local(x, device_mesh, [seq], run_check=False)
             return x.redistribute(placements=[Replicate()]).to_local()
 
+        gathered: list[torch.Size] = []  # the (batch, seq) of the latest input, for post_hook
+
         def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:
-                return (enter(args[0]),) + tuple(args[1:]), kwargs
-            if "hidden_states" in kwargs:
+                args = (enter(args[0]),) + tuple(args[1:])
+                first = args[0]
+            elif "hidden_states" in kwargs:
                 kwargs = dict(kwargs, hidden_states=enter(kwargs["hidden_states"]))
+                first = kwargs["hidden_states"]
+            else:
+                return args, kwargs
+            if isinstance(first, torch.Tensor):
+                gathered[:] = [first.shape[:self.seq_dim + 1]]
             return args, kwargs
 
         def leave(x: Any) -> Any:
@@ -297,13 +305,66 @@ class WholeSequence(ParallelStyle):
                 return x
             return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).redistribute(placements=[seq])
 
+        def per_token(x: Any) -> bool:
+            return isinstance(x, torch.Tensor) and bool(gathered) and x.shape[:self.seq_dim + 1] == gathered[0]
+
         def post_hook(_mod: nn.Module, _args: tuple, out: Any) -> Any:
-            if isinstance(out, tuple):  # (hidden_states, router_logits) in some families
-                return (leave(out[0]),) + out[1:]
+            # (hidden_states, router_logits) in MoE families: router logits are flat (tokens,
+            # experts) and stay whole for the aux loss. Every other output laid out per token like
+            # the input (DeepSeek-V4's hyper-connection: post, comb, collapsed) rejoins the stream.
+            if isinstance(out, tuple):
+                return (leave(out[0]),) + tuple(leave(o) if per_token(o) else o for o in out[1:])
             return leave(out)
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         module.register_forward_hook(post_hook)
+        return module
+
+
+class ReplicateParams(ParallelStyle):
+    """Under sequence parallel, a module outside every region, norm and embedding that owns
+    parameters (HRM's `z_L_init`, added to the stream; DeepSeek-V4's `hc_head`, mixing the final
+    streams): its parameters become Replicate DTensors, so that its own code combines them with
+    the sequence-sharded stream through DTensor, which places every result (and sums every
+    gradient) itself. Inputs and outputs are left as they come."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                _distribute(module, name, device_mesh, Replicate(), self.src_data_rank)
+        return module
+
+
+class _Owned(torch.autograd.Function):
+    """Identity whose output the caller owns: DTensor's `to_local()` hands back a view made
+    inside an autograd Function, which autograd forbids modifying in place."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()  # same storage, no copy; not marked as a view of x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class OwnedOutput(ParallelStyle):
+    """`inner` (a style whose module returns a plain local tensor), with that output one the
+    caller may modify in place: Llama-4's MoE block does `out = shared_expert(x); out.add_(...)`
+    on its rowwise-closed shared expert. No copy: the tensor is the all-reduce's fresh result."""
+
+    def __init__(self, inner: ParallelStyle):
+        super().__init__()
+        self.inner = inner
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.inner.src_data_rank = self.src_data_rank
+        module = self.inner._apply(module, device_mesh)
+
+        def own(_mod: nn.Module, _args: tuple, out: Any) -> Any:
+            return _Owned.apply(out) if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
+
+        module.register_forward_hook(own)
         return module
 
 
@@ -320,6 +381,7 @@ STYLE_NAMES = (
     "embedding_rowwise", "embedding_colwise", "packed_colwise", "packed_qkv_colwise", "packed_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "replicate", "moe_tp_experts",
     "gather_sequence", "region_entry", "replicate_to_sequence", "lm_head", "whole_sequence",
+    "replicate_params",
 )
 # Styles smp reads on expert parameters only (under a module styled `moe_tp_experts`).
 EXPERT_PARAM_STYLES = ("packed_colwise", "colwise", "rowwise", "packed_rowwise")
@@ -355,7 +417,7 @@ def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = Fals
     if name == "colwise":
         return Col()  # input arrives replicated (a region's entry gathers it under SP)
     if name == "rowwise":
-        return Row(output_layouts=seq_in, use_local_output=not sp)
+        return Row(output_layouts=seq_in, use_local_output=False) if sp else OwnedOutput(Row())
     if name in ("colwise_rep", "colwise_gather_output", "lm_head"):
         if name == "lm_head" or is_head:
             # The LM head sits after the final norm: under SP its input is sequence-sharded.
@@ -366,7 +428,9 @@ def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = Fals
     if name in ("rowwise_rep", "rowwise_split_input"):
         # Closes a gathered region (Phi-3, OLMo2): a full input, split here; under SP the output
         # rejoins the sequence-sharded stream.
-        return Row(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=not sp)
+        if sp:
+            return Row(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=False)
+        return OwnedOutput(Row(input_layouts=Replicate()))
     if name == "embedding_rowwise":  # vocab-parallel embedding
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=not sp)
     if name == "embedding_colwise":
@@ -387,5 +451,7 @@ def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = Fals
         return ReplicatedPartialGrad()
     if name == "whole_sequence":
         return WholeSequence(SEQ_DIM)
+    if name == "replicate_params":
+        return ReplicateParams()
     raise KeyError(name)
 

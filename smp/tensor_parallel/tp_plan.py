@@ -190,7 +190,7 @@ def _match(plan: TPPlan, modules: dict[str, nn.Module], params: list[str]) -> tu
 
 _ANY_MODULE_STYLES = (
     "sequence_parallel", "gather_sequence", "region_entry", "replicate_to_sequence",
-    "replicated_with_grad_allreduce", "replicate", "moe_tp_experts", "whole_sequence",
+    "replicated_with_grad_allreduce", "replicate", "moe_tp_experts", "whole_sequence", "replicate_params",
 )
 
 
@@ -383,6 +383,10 @@ def _sequence_parallel_extras(model, modules, matched, regions, gathered, moe_bl
     # A sibling of a region that the plan leaves whole (DeepSeek-V3's attention beside its split
     # MLP) computes on plain tensors: it takes the whole sequence and hands a shard back.
     blocks = {r.rpartition(".")[0] for r in bounded}
+    # Every layer of a stack holding such a block is one too: AFMoE's dense first layer, whose
+    # plan splits nothing, sits in the same `layers` list as its MoE layers.
+    stacks = {b.rpartition(".")[0] for b in blocks if isinstance(modules.get(b.rpartition(".")[0]), nn.ModuleList)}
+    blocks |= {n for n in modules if n and n.rpartition(".")[0] in stacks}
     for name, module in modules.items():
         if name.rpartition(".")[0] not in blocks or name in bounded or _is_norm(module) or name in matched:
             continue
@@ -400,6 +404,14 @@ def _sequence_parallel_extras(model, modules, matched, regions, gathered, moe_bl
         elif isinstance(module, nn.Embedding) and name not in matched and not inside:
             # e.g. GPT-2's position embedding, added to the sequence-sharded token embedding.
             extras.append(Assignment(name, module, "replicate_to_sequence"))
+    # Anything else owning parameters meets the sequence-sharded stream at the model level
+    # (HRM's z_L_init, DeepSeek-V4's hc_head): its parameters join it as Replicate DTensors.
+    styled = [*bounded, *matched, *(a.name for a in extras)]
+    for name, module in modules.items():
+        if any(name == s or name.startswith(s + ".") for s in styled if s) or name in styled:
+            continue
+        if next(module.parameters(recurse=False), None) is not None:
+            extras.append(Assignment(name, module, "replicate_params"))
     if head is None or head not in matched:
         raise ConfigError(
             "sequence_parallel needs the output head in the tensor-parallel plan (style "
