@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import smp
 from smp.testing.distributed import full_tensor, local_rows, world_mean
@@ -34,7 +37,8 @@ TINY = dict(
 # table (GPT-2) or its refusal.
 EXTRA_FAMILIES = ("bert-mlm", "t5", "gpt2")
 
-# The matrix's modes (its columns), as arguments of `classify`: the tests and the script share them.
+# The matrix's modes (its columns), as arguments of their case function (`classify`, or the one
+# CASE_FUNCTIONS names): the tests and the script share them.
 TP2 = {"tensor_parallel_degree": 2}  # the model's own plan (base_model_tp_plan)
 # Offload every saved activation: the default threshold (1 MiB) keeps all of a tiny model's on device.
 AC_OFFLOAD = {"activation_checkpointing": "full", "sm_activation_offloading": True, "activation_offload_min_bytes": 0}
@@ -46,8 +50,13 @@ MODES = {
     "ac-offload": dict(config=AC_OFFLOAD, delayed=False),
     # world 4: TP=2 inside, FSDP over the 2 data-parallel ranks outside
     "tp2-fsdp2-sp": dict(config={**TP2, "tensor_parallel": {"sequence_parallel": True}}, delayed=False),
+    # world 4: FSDP hybrid sharding, 2 replicas x 2 shards
+    "hybrid": dict(config={"hybrid_shard_degree": 2}, delayed=False),
+    # transformers' own TP=2 (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))`):
+    # the peer, for the side-by-side with smp's TP=2 column
+    "peer": dict(),
 }
-WORLD = {"tp2-fsdp2-sp": 4}  # the world size of a mode, when not 2
+WORLD = {"tp2-fsdp2-sp": 4, "hybrid": 4}  # the world size of a mode, when not 2
 
 
 # --- building -------------------------------------------------------------------------------
@@ -273,6 +282,77 @@ def can_build(family: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - recorded as the skip reason
         return f"does not run in one process at the tiny shape: {type(e).__name__}: {e}".splitlines()[0][:200]
     return None
+
+
+# --- the peer: transformers' own tensor parallelism -----------------------------------------
+
+def _peer_compare(peer: torch.nn.Module, reference: torch.nn.Module) -> dict:
+    """Loss and gradient gaps of the peer's TP model vs one process after one step on the
+    global batch (TP ranks share it), and how many parameters the peer split."""
+    batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
+    loss = loss_of(peer, batch)
+    loss.backward()
+    ref_loss = loss_of(reference, batch)
+    ref_loss.backward()
+    split = sum(1 for p in peer.parameters() if isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements))
+    return {"loss_diff": abs(float(full_tensor(loss.detach())) - float(ref_loss.detach())),
+            "grad_diff": _grad_diff(peer, reference), "tp_split": split}
+
+
+def peer_tp2(family: str, corrupt_shard: bool = False) -> dict:
+    """One peer cell: `family` written with `save_pretrained`, loaded by transformers' own TP
+    (`from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))`, on the process
+    group the ranks already hold) vs the same folder loaded in one process: loss and gradients of
+    one step on the global batch, as `classify` compares. Statuses as `classify`'s, except that any error from the peer is a crash (it has no
+    refusals of its own to tell apart) and "not run" says why the peer had nothing to do.
+    No smp session: this measures transformers alone. `corrupt_shard` (negative control) nudges
+    rank 1's shard of the first split parameter by 1e-3, which the comparison must catch."""
+    from transformers.distributed import DistributedConfig
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # one bar per load and rank otherwise
+    torch.manual_seed(0)
+    model = build_family(family)
+    if not (getattr(model.config, "base_model_tp_plan", None) or getattr(model, "_tp_plan", None)):
+        return {"status": "not run", "detail": f"{type(model).__name__} ships no base_model_tp_plan"}
+    path = [tempfile.mkdtemp(prefix=f"peer-{family}-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    try:
+        if dist.get_rank() == 0:
+            model.save_pretrained(path[0])
+        dist.barrier()
+        try:
+            reference = type(model).from_pretrained(path[0], dtype=torch.float32)
+        except Exception as e:  # noqa: BLE001 - not the peer's TP: the folder does not round-trip
+            return {"status": "not run", "detail": f"one-process from_pretrained fails: {type(e).__name__}: {e}"}
+        eval_mode = training_forward_is_random(copy.deepcopy(reference))
+        reference.train(not eval_mode)
+        try:
+            peer = type(model).from_pretrained(path[0], dtype=torch.float32,
+                                               distributed_config=DistributedConfig(tp_size=2))
+            peer.train(reference.training)
+            if corrupt_shard and dist.get_rank() == 1:
+                with torch.no_grad():
+                    next(p for p in peer.parameters() if isinstance(p, DTensor)
+                         and not all(pl.is_replicate() for pl in p.placements)).to_local().add_(1e-3)
+            report = _peer_compare(peer, reference)
+        except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with its traceback
+            return {"status": "crash", "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0], ignore_errors=True)
+    exact = report["loss_diff"] < TOL and report["grad_diff"] < TOL
+    if exact and not report["tp_split"]:
+        return {"status": "unproven", "detail": "the peer's TP split no parameter: the model ran whole on each rank"}
+    cell = {"status": "exact" if exact else "mismatch", "detail": report}
+    if eval_mode:
+        cell["note"] = "eval mode: its training forward draws random numbers (sampled routing)"
+    return cell
+
+
+# mode -> its case function, where it is not `classify`
+CASE_FUNCTIONS = {"peer": peer_tp2}
 
 
 # --- activation checkpointing: nested configs ----------------------------------------------

@@ -2,7 +2,9 @@
 causal-LM family whose config ships a `base_model_tp_plan` (plus BERT-MLM, T5 and GPT-2, which
 have none), at a tiny shape, under FSDP full shard, delayed initialisation, TP=2 with the
 model's own plan, TP=2 + sequence parallel, and full checkpointing + activation offloading, at
-world 2, and TP=2 x FSDP 2 + sequence parallel at world 4.
+world 2, and FSDP hybrid sharding (2 replicas x 2 shards) and TP=2 x FSDP 2 + sequence
+parallel at world 4. Beside them, transformers' own TP=2 (the peer): wherever it is exact,
+smp's TP=2 must be exact too.
 
 Each family must be exact against one process or refused by smp with a reason; a crash, a
 silent mismatch, or a mode that did nothing (TP split no parameter, nothing offloaded) fails.
@@ -27,6 +29,8 @@ FAST = {
     "tp2-sp": ["llama", "gpt2"],
     "ac-offload": ["llama", "t5"],
     "tp2-fsdp2-sp": ["llama"],
+    "hybrid": ["llama"],
+    "peer": ["qwen3"],  # per-head q/k norms: `replicated_with_grad_allreduce` in both TPs
 }
 
 
@@ -38,11 +42,31 @@ def _check(ranks, family: str, reason: str | None, mode: str) -> None:
     reason = reason or cases.can_build(family)
     if reason:
         pytest.skip(reason)
+    if mode == "peer":
+        return _check_covers_peer(ranks, family)
     world = cases.WORLD.get(mode, 2)
     for result in ranks(world).run(cases.classify, family=family, timeout=240, **cases.MODES[mode]):
         assert result["status"] in ("exact", "refused"), f"{family} under {mode}: {result}"
         if result["status"] == "refused":
             assert len(result["detail"]) > 20, result  # the error names its reason
+
+
+def _check_covers_peer(ranks, family: str) -> None:
+    """The peer column's claim: where transformers' own TP=2 is exact, smp's TP=2 is exact too
+    (the peer's own crashes and mismatches are findings about it, recorded in the docs)."""
+    peer = ranks(2).run(cases.peer_tp2, family=family, timeout=240)
+    if any(r["status"] != "exact" for r in peer):
+        pytest.skip(f"transformers' own TP=2 is not exact on {family}: {peer[0]['status']}")
+    for result in ranks(2).run(cases.classify, family=family, timeout=240, **cases.MODES["tp2"]):
+        assert result["status"] == "exact", f"{family}: the peer is exact, smp's TP=2 is not: {result}"
+
+
+def test_peer_comparison_catches_a_corrupt_shard(ranks):
+    """Negative control for the peer column: one rank's shard of one split parameter nudged by
+    1e-3 after loading must read as a mismatch, not exact."""
+    for result in ranks(2).run(cases.peer_tp2, family="qwen3", corrupt_shard=True, timeout=240):
+        assert result["status"] == "mismatch", result
+        assert result["detail"]["grad_diff"] > cases.TOL or result["detail"]["loss_diff"] > cases.TOL, result
 
 
 def test_registry_drives_the_matrix():
