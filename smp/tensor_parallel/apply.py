@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from smp.errors import ConfigError, PlanError
 from smp.tensor_parallel.loss import use_vocab_parallel_loss
 from smp.tensor_parallel.moe import MoeExperts
-from smp.tensor_parallel.styles import Options, is_conv1d, make_style
+from smp.tensor_parallel.styles import LocalParams, MlaKvAProj, Options, is_conv1d, make_style
 from smp.tensor_parallel.tp_plan import StyleSpec, expand_plan, resolve_plan
 
 # Names of per-head sizes: never divided, even when their value equals a head count.
@@ -58,6 +58,10 @@ def apply_tensor_parallel(
             style = a.style
         elif a.style == "moe_tp_experts":
             style = MoeExperts(a.param_styles, a.name)
+        elif a.style == "local_params":
+            style = LocalParams(tuple(a.param_styles))
+        elif a.style == "mla_kv_a_proj":
+            style = MlaKvAProj(_mla_rope_dim(model, a.name, a.module))
         else:
             local_opts = opts if a.sequence_parallel else replace(opts, sequence_parallel=False)
             style = make_style(a.style, a.module, local_opts, a.is_head)
@@ -76,6 +80,21 @@ def _text_config(model: nn.Module) -> Any:
     if cfg is not None and hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
     return cfg
+
+
+def _mla_rope_dim(model: nn.Module, name: str, module: nn.Module) -> int:
+    """The rotary key width at the end of an `mla_kv_a_proj` layer's output (the config's
+    `qk_rope_head_dim`, as transformers reads it)."""
+    rope_dim = getattr(_text_config(model), "qk_rope_head_dim", None)
+    width = getattr(module, "out_features", 0)
+    if not isinstance(module, nn.Linear) or not isinstance(rope_dim, int) or not 0 < rope_dim < width:
+        raise ConfigError(
+            f"tensor-parallel plan: {name!r} has style 'mla_kv_a_proj', which needs an nn.Linear whose "
+            "output ends with the rotary key slice and a model config with `qk_rope_head_dim` smaller "
+            f"than that output (got {type(module).__name__}, out_features={width or None}, "
+            f"qk_rope_head_dim={rope_dim}); use it on MLA's `kv_a_proj_with_mqa`, or remove the entry"
+        )
+    return rope_dim
 
 
 def check_head_counts(model: nn.Module, tp: int) -> None:

@@ -264,6 +264,35 @@ class ReplicatedPartialGrad(ParallelStyle):
         return module
 
 
+class LocalParams(ParallelStyle):
+    """`local_params`: a split attention module's own bare per-head parameters (GPT-OSS-style
+    attention sinks, Beam's `gate_bias`), which have no forward of their own to hook. Each is
+    named by its own plan entry ('colwise': split on dim 0, by head, like the rows of the
+    colwise q projection), so rank r holds the entries of exactly its heads; the module's
+    forward then runs on the local shards. Each rank computes the whole gradient of its own
+    heads' entries (the rowwise output projection already summed what follows), so the
+    gradient stays a Shard: nothing to sum. `placement` is a class attribute so that a test can
+    misalign the split with the heads on purpose (tests/tp_local_params_cases.py)."""
+
+    placement: Placement = Shard(0)
+
+    def __init__(self, param_names: tuple[str, ...]):
+        super().__init__()
+        self.param_names = param_names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.param_names:
+            _distribute(module, name, device_mesh, self.placement, self.src_data_rank)
+        original_forward = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with _local_params(module):
+                return original_forward(*args, **kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+        return module
+
+
 class WholeSequence(ParallelStyle):
     """Under sequence parallel, a block that computes on the whole sequence with plain tensors:
     the MoE block around `moe_tp_experts` (router, unsplit shared expert) or a submodule the plan
@@ -368,6 +397,37 @@ class OwnedOutput(ParallelStyle):
         return module
 
 
+class MlaKvAProj(ParallelStyle):
+    """`mla_kv_a_proj`: the joint down-projection `kv_a_proj_with_mqa` of DeepSeek-V2-style
+    multi-head latent attention (MLA), kept whole on every rank. Its output is
+    [latent | k_rope]: the latent goes through a norm into the colwise `kv_b_proj`, whose input
+    gradient DTensor sums over the TP ranks; k_rope, one rotary key slice shared by every head,
+    goes straight into this rank's heads, so each rank's gradient for it covers its heads only.
+    Here that slice is summed over the TP group in backward (transformers' `_AllReduceBackward`
+    on the same slice); everything else stays a plain tensor. The region holding it gets no
+    shared DTensor entry (tp_plan.py), so its other whole modules (`q_a_proj`, the latent norms)
+    run on plain tensors too. `rope_grad_placement` is a class attribute so a test can break the
+    sum on purpose (tests/tp_mla_cases.py)."""
+
+    rope_grad_placement: Placement = Partial()
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rope_dim, grad_placement = self.rope_dim, self.rope_grad_placement
+
+        def sum_rope_grad(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+            latent, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+            # Identity forward; backward: this rank's partial gradient, all-reduced.
+            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False)
+            return torch.cat([latent, rope.to_local(grad_placements=[grad_placement])], dim=-1)
+
+        module.register_forward_hook(sum_rope_grad)
+        return module
+
+
 @dataclass(frozen=True)
 class Options:
     sequence_parallel: bool = False
@@ -381,9 +441,10 @@ STYLE_NAMES = (
     "embedding_rowwise", "embedding_colwise", "packed_colwise", "packed_qkv_colwise", "packed_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "replicate", "moe_tp_experts",
     "gather_sequence", "region_entry", "replicate_to_sequence", "lm_head", "whole_sequence",
-    "replicate_params",
+    "replicate_params", "mla_kv_a_proj", "local_params",
 )
-# Styles smp reads on expert parameters only (under a module styled `moe_tp_experts`).
+# Styles smp reads on parameter entries: expert weights under a module styled `moe_tp_experts`
+# (all four), per-head parameters under one styled `local_params` ('colwise' only, tp_plan.py).
 EXPERT_PARAM_STYLES = ("packed_colwise", "colwise", "rowwise", "packed_rowwise")
 _NO_EP = ("expert parallelism (whole experts per rank); smp has none. Leave the model's own "
           "`base_model_tp_plan` (its 'moe_tp_experts' entries split every expert over the TP ranks), "
@@ -391,13 +452,8 @@ _NO_EP = ("expert parallelism (whole experts per rank); smp has none. Leave the 
 REFUSED_STYLES: dict[str, str] = {
     "grouped_gemm": _NO_EP,
     "ep_dispatch_experts": _NO_EP,
-    "mla_kv_a_proj": ("DeepSeek-V2-style multi-head latent attention; smp does not split it. Remove "
-                      "the attention entries (attention then stays replicated, the MLP split)"),
     "moe_identity_expert": ("zero (identity) experts; smp does not split them. Remove the model's "
                             "'moe_tp_experts' entries to keep the experts replicated"),
-    "local_params": ("a bare parameter split by its own entry (e.g. attention sinks); smp splits "
-                     "parameters only inside 'moe_tp_experts' modules. Remove the entry and the "
-                     "parameter's, keeping that module replicated"),
     "all_reduce": ("sums a module's partial output, which needs parameter entries smp does not "
                    "split outside 'moe_tp_experts'. Remove the entry and those it pairs with"),
 }

@@ -182,7 +182,8 @@ def _match(plan: TPPlan, modules: dict[str, nn.Module], params: list[str]) -> tu
                 raise ConfigError(
                     f"tensor-parallel plan ({plan.source}): {pattern!r} names parameter {name!r} with "
                     f"style {style!r}; parameter entries take {', '.join(EXPERT_PARAM_STYLES)} (expert "
-                    "weights under a 'moe_tp_experts' module); point other entries at modules"
+                    "weights under a 'moe_tp_experts' module; 'colwise' for per-head parameters under a "
+                    "'local_params' module); point other entries at modules"
                 )
             param_styles.setdefault(name, style)
     return out, param_styles
@@ -191,6 +192,7 @@ def _match(plan: TPPlan, modules: dict[str, nn.Module], params: list[str]) -> tu
 _ANY_MODULE_STYLES = (
     "sequence_parallel", "gather_sequence", "region_entry", "replicate_to_sequence",
     "replicated_with_grad_allreduce", "replicate", "moe_tp_experts", "whole_sequence", "replicate_params",
+    "local_params",
 )
 
 
@@ -209,6 +211,27 @@ def _check_module_type(name: str, module: nn.Module, style: StyleSpec, source: s
             f"{' and nn.Embedding' if not style.startswith('packed') else ''}. Point the pattern at "
             "the projection layers inside the module, or pass a torch ParallelStyle object"
         )
+
+
+def _check_local_params(modules: dict[str, nn.Module], owners: set[str], param_styles: dict[str, str], source: str) -> None:
+    """A `local_params` module runs on the local shards of its own parameters: each must be split
+    by its own 'colwise' entry (by head, dim 0). One left whole would be read in full by every
+    rank's share of the heads (a shape error, or worse a broadcast); refused, naming the entry."""
+    for owner in sorted(owners):
+        for pname, p in modules[owner].named_parameters(recurse=False):
+            full = f"{owner}.{pname}"
+            style = param_styles.get(full)
+            if style is None and p.requires_grad:
+                raise ConfigError(
+                    f"tensor-parallel plan ({source}): {owner!r} has style 'local_params' but its parameter "
+                    f"{full!r} {tuple(p.shape)} has no entry; add {full!r}: 'colwise' (one value per head, "
+                    "split with the heads) or remove the 'local_params' entry"
+                )
+            if style is not None and style != "colwise":
+                raise ConfigError(
+                    f"tensor-parallel plan ({source}): {full!r} has style {style!r}; a parameter of a "
+                    "'local_params' module takes 'colwise' (split on dim 0 with the heads)"
+                )
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -244,7 +267,53 @@ def _head_dim(model: nn.Module, region: nn.Module) -> int | None:
     return hidden // heads if heads and hidden else None
 
 
-def _partial_grad_modules(model, modules, assigned, regions, widths) -> list[Assignment]:
+def _mla_regions(matched: dict[str, tuple[str, StyleSpec]]) -> set[str]:
+    """Attention modules holding an `mla_kv_a_proj` layer (DeepSeek-V2-style latent attention)."""
+    return {n.rpartition(".")[0] for n, (_, style) in matched.items() if style == "mla_kv_a_proj"}
+
+
+def _mla_whole_input(model, matched, regions, widths, source: str) -> list[Assignment]:
+    """The modules an MLA region's plan leaves whole that compute before the head split: a
+    Linear reading the region's input (`q_a_proj`) and a norm over a latent that a colwise
+    up-projection reads (`q_a_layernorm`, `kv_a_layernorm`). Such a region has no shared entry,
+    so its inputs stay plain tensors and every colwise layer sums its own input gradient: these
+    modules' gradients are then whole on every rank and need no sync ('replicate'). A norm as
+    wide as a latent and as a head (it could be either) is refused, as are the rest by
+    `_partial_grad_modules`."""
+    extras: list[Assignment] = []
+    for rname in sorted(_mla_regions(matched)):
+        if rname not in regions:
+            raise ConfigError(
+                f"tensor-parallel plan ({source}): {rname!r} holds an 'mla_kv_a_proj' layer but none of "
+                "its projections is split ('colwise'), so its rotary key gradient is already whole and "
+                "summing it would double it; split its q / kv_b projections too, or remove the entry"
+            )
+        region, head_dim = regions[rname], _head_dim(model, regions[rname])
+        latents = {_in_width(model.get_submodule(n)) for n, (_, style) in matched.items()
+                   if style in REGION_STYLES and n.rpartition(".")[0] == rname}
+        for sub, module in region.named_modules():
+            name = f"{rname}.{sub}" if rname and sub else (rname or sub)
+            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if not own or any(n == name or name.startswith(n + ".") for n in matched):
+                continue
+            if isinstance(module, nn.Linear) and module.in_features == widths.get(rname):
+                why = "auto: reads the MLA region's unsplit input"
+            elif all(p.ndim == 1 and p.shape[0] in latents for p in own) and _is_norm(module):
+                if head_dim in {p.shape[0] for p in own}:
+                    raise PlanError(
+                        f"tensor-parallel plan: {name!r} in the MLA region {rname!r} is as wide as both a "
+                        f"latent and a head ({head_dim}), so smp cannot tell whether its gradient is whole "
+                        f"or partial; say which in the plan: {name!r}: 'replicate' (a latent norm) or "
+                        "'replicated_with_grad_allreduce' (a per-head norm)"
+                    )
+                why = "auto: norm of an MLA latent before its colwise up-projection"
+            else:
+                continue
+            extras.append(Assignment(name, module, "replicate", why=why))
+    return extras
+
+
+def _partial_grad_modules(model, modules, assigned, regions, widths, split=frozenset()) -> list[Assignment]:
     """Replicated parameters inside a split region whose gradient each rank computes only partly.
 
     Between a colwise layer and its rowwise partner every rank holds only its heads/features: a
@@ -261,7 +330,8 @@ def _partial_grad_modules(model, modules, assigned, regions, widths) -> list[Ass
         head_dim = _head_dim(model, region)
         for sub, module in region.named_modules():
             name = f"{rname}.{sub}" if rname and sub else (rname or sub)
-            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            own = [(n, p) for n, p in module.named_parameters(recurse=False)
+                   if p.requires_grad and f"{name}.{n}" not in split]
             if not own or any(n == name or name.startswith(n + ".") for n in assigned):
                 continue  # split by the plan, or inside a module the plan styles as a whole
             if all(p.shape[-1] == width for _, p in own) and inline:
@@ -297,12 +367,15 @@ def expand_plan(model: nn.Module, plan: TPPlan, opts: Options) -> Expanded:
             matched[embedding] = ("<tied to the head>", "embedding_rowwise")
 
     experts = {n for n, (_, style) in matched.items() if style == "moe_tp_experts"}
+    local_owners = {n for n, (_, style) in matched.items() if style == "local_params"}
+    _check_local_params(modules, local_owners, param_styles, plan.source)
     for pname, style in param_styles.items():
-        if pname.rpartition(".")[0] not in experts:
+        if pname.rpartition(".")[0] not in experts | local_owners:
             raise ConfigError(
                 f"tensor-parallel plan ({plan.source}): parameter entry {pname!r} ({style!r}) needs its "
-                f"module {pname.rpartition('.')[0]!r} styled 'moe_tp_experts'; smp splits bare parameters "
-                "only as expert weights. Add that entry, or remove the parameter's"
+                f"module {pname.rpartition('.')[0]!r} styled 'moe_tp_experts' (expert weights) or "
+                "'local_params' (per-head parameters such as attention sinks). Add that entry, or "
+                "remove the parameter's"
             )
     moe_blocks = {n.rpartition(".")[0]: modules[n.rpartition(".")[0]] for n in experts}
 
@@ -330,7 +403,24 @@ def expand_plan(model: nn.Module, plan: TPPlan, opts: Options) -> Expanded:
         out.assignments.append(Assignment(name, modules[name], style, is_head=(name == head),
                                           sequence_parallel=not in_moe_block(name), param_styles=own))
 
-    out.assignments += _partial_grad_modules(model, modules, matched, out.regions, widths)
+    whole_heads = sorted(local_owners - set(out.regions))
+    if whole_heads:
+        raise ConfigError(
+            f"tensor-parallel plan ({plan.source}): {whole_heads[0]!r} has style 'local_params' but no projection "
+            "inside it is split ('colwise'), so its heads stay whole and its split per-head parameters "
+            "would not match them; split its q/k/v projections too, or remove the 'local_params' entry "
+            "and its parameters'"
+        )
+    # A `local_params` module is split only in its named parameters: its submodules (per-head
+    # norms) still go through the partial-gradient check.
+    whole = {n: v for n, v in matched.items() if v[1] != "local_params"}
+    # An MLA region's input width is what its `mla_kv_a_proj` layer reads: its first colwise layer
+    # (`q_b_proj`) may read a latent instead.
+    widths.update({n.rpartition(".")[0]: _in_width(modules[n]) for n, (_, s) in matched.items() if s == "mla_kv_a_proj"})
+    mla_whole = _mla_whole_input(model, whole, out.regions, widths, plan.source)
+    out.assignments += mla_whole
+    whole.update({a.name: ("<MLA, whole input>", "replicate") for a in mla_whole})
+    out.assignments += _partial_grad_modules(model, modules, whole, out.regions, widths, split=set(param_styles))
 
     if opts.sequence_parallel:
         out.assignments += _sequence_parallel_extras(model, modules, matched, out.regions, gathered,
@@ -338,11 +428,12 @@ def expand_plan(model: nn.Module, plan: TPPlan, opts: Options) -> Expanded:
     else:
         # One shared replicated input per region: one all-reduce of its gradient in backward.
         # Not for regions that also hold norms (attention inline in the block): their input
-        # feeds the residual too, which must stay a plain tensor.
+        # feeds the residual too, which must stay a plain tensor; nor for MLA regions, whose
+        # whole modules (q_a_proj, latent norms) compute on plain tensors.
         out.assignments += [
             Assignment(rname, region, "region_entry")
             for rname, region in sorted(out.regions.items())
-            if rname and not _is_inline(region, widths.get(rname))
+            if rname and not _is_inline(region, widths.get(rname)) and rname not in _mla_regions(matched)
         ]
     return out
 
@@ -369,6 +460,8 @@ def _sequence_parallel_extras(model, modules, matched, regions, gathered, moe_bl
             )
         if in_moe_block(rname):  # e.g. DeepSeek-V3's shared experts: the block already gathered
             extras.append(Assignment(rname, region, "region_entry", sequence_parallel=False))
+        elif rname in _mla_regions(matched):  # its whole modules compute on plain tensors
+            extras.append(Assignment(rname, region, "whole_sequence"))
         else:
             extras.append(Assignment(rname, region, "gather_sequence"))
     for bname, block in sorted(moe_blocks.items()):

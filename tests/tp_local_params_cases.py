@@ -1,0 +1,97 @@
+"""Cases for transformers' `local_params` style (run on every rank of a RankPool; each returns
+plain data): attention modules whose own bare per-head parameters (attention sinks; Beam's
+attention-gate bias) are split by their own plan entries. Families built at the model-coverage
+tiny shape (hidden 64, 2 layers, 4 heads / 2 key-value heads, vocab 256)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import smp
+from smp.testing.distributed import full_tensor, local_rows, world_mean
+from smp.testing.models import random_batch
+from tests.model_coverage_cases import tiny_config
+
+GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 256
+PER_HEAD = ("sinks", "gate_bias")  # the bare per-head parameters these families split
+
+
+def build(kind: str) -> nn.Module:
+    """`kind`'s tiny model, its per-head parameters drawn at random: transformers initialises
+    sinks and gate biases to zero (all heads alike), where a misaligned split would not show."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config(kind))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.rpartition(".")[2] in PER_HEAD:
+                p.normal_(std=1.0)
+    return model
+
+
+def own_plan(kind: str, drop: tuple[str, ...] = (), **changes: str) -> dict[str, str]:
+    """The model's shipped plan, as a user plan: entries ending with one of `drop` removed,
+    `changes` (suffix -> style) applied to the entries ending with that suffix."""
+    plan = dict(build(kind)._tp_plan)
+    plan = {k: v for k, v in plan.items() if not k.endswith(drop)} if drop else plan
+    return {k: next((s for suffix, s in changes.items() if k.endswith(suffix)), v) for k, v in plan.items()}
+
+
+def equivalence(config: dict, kind: str, steps: int = 3, misalign: bool = False) -> dict:
+    """TP run vs the single-process run on the same init and global batch over `steps` SGD steps:
+    the largest loss and gradient gaps, per parameter too, and what smp applied. `misalign`: the
+    negative control, the per-head parameters split round-robin (rank r: heads r, r+tp, ...)
+    while the projections hold contiguous heads."""
+    from smp.tensor_parallel.styles import LocalParams
+
+    with smp.session(config):
+        torch.manual_seed(smp.state.config.random_seed)
+        reference = build(kind)
+        model = copy.deepcopy(reference)
+        if misalign:
+            LocalParams.placement = _StridedShard(0, split_factor=smp.state.tp_size)
+        try:
+            model = smp.transform(model)
+        finally:
+            LocalParams.placement = Shard(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        split = [n for n, p in model.named_parameters()
+                 if n.rpartition(".")[2] in PER_HEAD and isinstance(p, DTensor)
+                 and "tp" in (p.device_mesh.mesh_dim_names or ())]
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "grad_diffs": {}, "losses": [], "split_per_head": split,
+                  "tp_plan": dict(getattr(model, "_smp_tp_plan", {}))}
+        batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
+        ref_params = dict(reference.named_parameters())
+        for _ in range(steps):
+            ids = local_rows(batch)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            ref_loss = reference(input_ids=batch, labels=batch).loss
+            ref_loss.backward()
+            report["losses"].append(float(ref_loss))
+            report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss)))
+            for n, p in model.named_parameters():  # an expert no token reached has no gradient
+                grad = torch.zeros(p.shape) if p.grad is None else full_tensor(p.grad)
+                ref_grad = torch.zeros(p.shape) if ref_params[n].grad is None else ref_params[n].grad
+                report["grad_diffs"][n] = max(report["grad_diffs"].get(n, 0.0), float((grad - ref_grad).abs().max()))
+            report["grad_diff"] = max(report["grad_diffs"].values())
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        return report
+
+
+def transform_error(config: dict, kind: str, plan: dict) -> str:
+    """The smp.Error smp.transform raises for `kind` under the user plan `plan` ('' if none)."""
+    with smp.session(config):
+        torch.manual_seed(0)
+        try:
+            smp.transform(build(kind), tp_plan=plan)
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""

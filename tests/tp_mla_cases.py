@@ -1,0 +1,87 @@
+"""Tensor-parallel cases for multi-head latent attention (`mla_kv_a_proj`), run on every rank of
+a RankPool; each returns plain data. Tiny configs: hidden 64, 2 layers, 4 heads, vocab 256,
+latents 16 wide, rotary key 8 wide; dropout 0 so that runs are deterministic."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+import smp
+from smp.testing.distributed import full_tensor, local_rows, world_mean
+from smp.testing.models import random_batch
+
+GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 256
+_MLA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=128, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0)
+
+
+def build(kind: str) -> nn.Module:
+    import transformers as T
+
+    if kind == "minicpm3":  # queries through q_a_proj -> q_a_layernorm -> q_b_proj
+        return T.MiniCPM3ForCausalLM(T.MiniCPM3Config(**_MLA, q_lora_rank=16))
+    if kind == "deepseek_v2":  # queries through one colwise q_proj; MoE MLP (layer 1)
+        return T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
+            **_MLA, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1))
+    raise ValueError(kind)
+
+
+def equivalence(config: dict, kind: str, steps: int = 3, break_rope_sum: bool = False) -> dict:
+    """TP run of the model's own plan vs one process on the same init and global batch: the
+    largest loss and per-parameter gradient gaps over `steps` SGD steps, and what smp applied.
+    `break_rope_sum`: the negative control, the rotary key's partial gradient left unsummed."""
+    from smp.tensor_parallel.styles import MlaKvAProj
+
+    MlaKvAProj.rope_grad_placement = Replicate() if break_rope_sum else Partial()
+    try:
+        with smp.session(config):
+            torch.manual_seed(smp.state.config.random_seed)
+            reference = build(kind)
+            model = smp.transform(copy.deepcopy(reference))
+            return _train(model, reference, steps)
+    finally:
+        MlaKvAProj.rope_grad_placement = Partial()
+
+
+def _train(model: nn.Module, reference: nn.Module, steps: int) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    report = {"loss_diff": 0.0, "grad_diffs": {}, "losses": [],
+              "tp_plan": dict(getattr(model, "_smp_tp_plan", {})), "sharded": sum(
+                  1 for p in model.parameters()
+                  if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()))}
+    batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
+    ref_params = dict(reference.named_parameters())
+    for _ in range(steps):
+        ids = local_rows(batch)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_loss = reference(input_ids=batch, labels=batch).loss
+        ref_loss.backward()
+        report["losses"].append(float(ref_loss))
+        report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss)))
+        for n, p in model.named_parameters():
+            d = float((full_tensor(p.grad) - ref_params[n].grad).abs().max())
+            report["grad_diffs"][n] = max(report["grad_diffs"].get(n, 0.0), d)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    report["grad_diff"] = max(report["grad_diffs"].values())
+    return report
+
+
+def transform_error(config: dict, kind: str, plan: dict) -> str:
+    """The smp.Error smp.transform raises for this model and user plan ('' if none)."""
+    with smp.session(config):
+        torch.manual_seed(0)
+        try:
+            smp.transform(build(kind), tp_plan=plan)
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
