@@ -13,9 +13,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import smp
-from smp.testing.distributed import full_tensor, local_rows, world_mean
 from smp.testing.models import random_batch
 from tests.model_coverage_cases import tiny_config
+from tests.tp_vocabulary_cases import sgd_comparison
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 256
 PER_HEAD = ("sinks", "gate_bias")  # the bare per-head parameters these families split
@@ -59,31 +59,12 @@ def equivalence(config: dict, kind: str, steps: int = 3, misalign: bool = False)
             model = smp.transform(model)
         finally:
             LocalParams.placement = Shard(0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         split = [n for n, p in model.named_parameters()
                  if n.rpartition(".")[2] in PER_HEAD and isinstance(p, DTensor)
                  and "tp" in (p.device_mesh.mesh_dim_names or ())]
-        report = {"loss_diff": 0.0, "grad_diff": 0.0, "grad_diffs": {}, "losses": [], "split_per_head": split,
-                  "tp_plan": dict(getattr(model, "_smp_tp_plan", {}))}
         batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
-        ref_params = dict(reference.named_parameters())
-        for _ in range(steps):
-            ids = local_rows(batch)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            ref_loss = reference(input_ids=batch, labels=batch).loss
-            ref_loss.backward()
-            report["losses"].append(float(ref_loss))
-            report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss)))
-            for n, p in model.named_parameters():  # an expert no token reached has no gradient
-                grad = torch.zeros(p.shape) if p.grad is None else full_tensor(p.grad)
-                ref_grad = torch.zeros(p.shape) if ref_params[n].grad is None else ref_params[n].grad
-                report["grad_diffs"][n] = max(report["grad_diffs"].get(n, 0.0), float((grad - ref_grad).abs().max()))
-            report["grad_diff"] = max(report["grad_diffs"].values())
-            opt.step(), ref_opt.step()
-            opt.zero_grad(), ref_opt.zero_grad()
-        return report
+        return {**sgd_comparison(model, reference, batch, steps), "split_per_head": split,
+                "tp_plan": dict(getattr(model, "_smp_tp_plan", {}))}
 
 
 def transform_error(config: dict, kind: str, plan: dict) -> str:

@@ -8,11 +8,11 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate
 
 import smp
-from smp.testing.distributed import full_tensor, local_rows, world_mean
 from smp.testing.models import random_batch
+from tests.tp_vocabulary_cases import applied_plan, sgd_comparison
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 256
 _MLA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,35 +45,10 @@ def equivalence(config: dict, kind: str, steps: int = 3, break_rope_sum: bool = 
             torch.manual_seed(smp.state.config.random_seed)
             reference = build(kind)
             model = smp.transform(copy.deepcopy(reference))
-            return _train(model, reference, steps)
+            batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
+            return {**sgd_comparison(model, reference, batch, steps), **applied_plan(model)}
     finally:
         MlaKvAProj.rope_grad_placement = Partial()
-
-
-def _train(model: nn.Module, reference: nn.Module, steps: int) -> dict:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    report = {"loss_diff": 0.0, "grad_diffs": {}, "losses": [],
-              "tp_plan": dict(getattr(model, "_smp_tp_plan", {})), "sharded": sum(
-                  1 for p in model.parameters()
-                  if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()))}
-    batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
-    ref_params = dict(reference.named_parameters())
-    for _ in range(steps):
-        ids = local_rows(batch)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        ref_loss = reference(input_ids=batch, labels=batch).loss
-        ref_loss.backward()
-        report["losses"].append(float(ref_loss))
-        report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss)))
-        for n, p in model.named_parameters():
-            d = float((full_tensor(p.grad) - ref_params[n].grad).abs().max())
-            report["grad_diffs"][n] = max(report["grad_diffs"].get(n, 0.0), d)
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    report["grad_diff"] = max(report["grad_diffs"].values())
-    return report
 
 
 def transform_error(config: dict, kind: str, plan: dict) -> str:
