@@ -18,6 +18,23 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+def forward_saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Bytes autograd saves in one real forward of `model` (a causal LM) on `ids`, each storage
+    once, parameters left out: what the plan's activation estimate predicts."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss
+    return sum(saved.values())
+
+
 def measured_bytes(config: dict, seq_len: int = 16, batch: int = 2) -> dict[str, int]:
     """Train the tiny Llama one AdamW step under `config`; this rank's parameter, gradient and
     optimizer-state bytes as allocated (distinct storages, FSDP padding included)."""

@@ -124,18 +124,7 @@ def test_activation_estimate_against_a_real_forward():
     torch.manual_seed(0)
     model = tiny_llama(attn_implementation="sdpa")
     ids = torch.randint(0, 256, (2, 64))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids).loss
-    measured = sum(saved.values())
+    measured = planning_cases.forward_saved_bytes(model, ids)
     planned = plan({}, tiny_llama_config(), 1, seq_len=64, micro_batch=2).activation_bytes
     assert abs(planned - measured) / measured < 0.10, (planned, measured)
     # Not vacuous: half the sequence is far off.

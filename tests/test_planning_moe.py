@@ -10,7 +10,7 @@ import pytest
 from smp import cli
 from smp.expert_parallel.cost import all_to_all_bytes_per_step
 from smp.planning import plan
-from tests import planning_moe_cases
+from tests import planning_cases, planning_moe_cases
 from tests.expert_parallel_cases import EXPERTS, HIDDEN, TOP_K, build
 
 TOLERANCE = 0.05  # as test_planning: the plan may be 5% off a real run (seen: equal to the byte)
@@ -108,17 +108,6 @@ def test_moe_activation_estimate_against_a_real_forward(kind):
     torch.manual_seed(0)
     model = build(kind)
     ids = torch.randint(0, 256, (2, 64))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids).loss
-    measured = sum(saved.values())
+    measured = planning_cases.forward_saved_bytes(model, ids)
     planned = plan({}, model.config, 1, seq_len=64, micro_batch=2).activation_bytes
     assert abs(planned - measured) / measured < 0.10, (planned, measured)

@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import smp
 from smp.testing.models import random_batch
 from tests.model_coverage_cases import tiny_config
-from tests.tp_vocabulary_cases import sgd_comparison
+from tests.tp_vocabulary_cases import error_of_transform, sgd_comparison
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 256
 PER_HEAD = ("sinks", "gate_bias")  # the bare per-head parameters these families split
@@ -69,10 +69,4 @@ def equivalence(config: dict, kind: str, steps: int = 3, misalign: bool = False)
 
 def transform_error(config: dict, kind: str, plan: dict) -> str:
     """The smp.Error smp.transform raises for `kind` under the user plan `plan` ('' if none)."""
-    with smp.session(config):
-        torch.manual_seed(0)
-        try:
-            smp.transform(build(kind), tp_plan=plan)
-        except smp.Error as e:
-            return f"{type(e).__name__}: {e}"
-        return ""
+    return error_of_transform(config, lambda: build(kind), plan)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 import smp
 from smp.testing.models import random_batch
-from tests.tp_vocabulary_cases import applied_plan, sgd_comparison
+from tests.tp_vocabulary_cases import applied_plan, error_of_transform, sgd_comparison
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 256
 _MLA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -53,10 +53,4 @@ def equivalence(config: dict, kind: str, steps: int = 3, break_rope_sum: bool = 
 
 def transform_error(config: dict, kind: str, plan: dict) -> str:
     """The smp.Error smp.transform raises for this model and user plan ('' if none)."""
-    with smp.session(config):
-        torch.manual_seed(0)
-        try:
-            smp.transform(build(kind), tp_plan=plan)
-        except smp.Error as e:
-            return f"{type(e).__name__}: {e}"
-        return ""
+    return error_of_transform(config, lambda: build(kind), plan)

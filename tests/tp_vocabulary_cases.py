@@ -194,9 +194,15 @@ def sgd_comparison(model: nn.Module, reference: nn.Module, batch: torch.Tensor, 
 
 def transform_error(config: dict, kind: str, plan: dict | None = None) -> str:
     """The smp.Error smp.transform raises for this model/config ('' if none)."""
+    return error_of_transform(config, lambda: build(kind), plan)
+
+
+def error_of_transform(config: dict, make_model, plan: dict | None) -> str:
+    """`Type: message` of the smp.Error smp.transform raises for `make_model()` under the user
+    plan `plan`, or '' if it raises none."""
     with smp.session(config):
         torch.manual_seed(0)
-        model = build(kind)
+        model = make_model()
         try:
             smp.transform(model, tp_plan=plan)
         except smp.Error as e:
