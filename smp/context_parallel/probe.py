@@ -129,14 +129,11 @@ def _watch_this_forward(model: nn.Module, cp_size: int) -> None:
     names = {id(m): _describe(model, name, m) for name, m in model.named_modules()}
     watch = _Watch(set(), report)
     mode = _FunctionWatch(watch)
-    enter_hooks = [m.register_forward_pre_hook(functools.partial(_enter, watch.modules, names[id(m)]))
-                   for m in model.modules() if m is not model]
-    leave_hooks = [m.register_forward_hook(functools.partial(_leave, watch.modules), always_call=True)
-                   for m in model.modules() if m is not model]
+    tracking = _track_modules([m for m in model.modules() if m is not model], names, watch.modules)
 
     def done(*_: Any) -> None:
         mode.__exit__(None, None, None)
-        for h in enter_hooks + leave_hooks + [finish]:
+        for h in tracking + [finish]:
             h.remove()
         check_report(report, _class_name(model), cp_size)
 
@@ -213,14 +210,22 @@ def _bare_modules(model: nn.Module, names: dict[int, str], stack: list[str]) -> 
         for attr in _HOOK_DICTS:
             setattr(module, attr, OrderedDict())
         module._compiled_call_impl = None
-        module.register_forward_pre_hook(functools.partial(_enter, stack, names[id(module)]))
-        module.register_forward_hook(functools.partial(_leave, stack), always_call=True)
+    _track_modules(list(model.modules()), names, stack)
     try:
         yield
     finally:
         for module, attrs in saved.items():
             for attr, value in attrs.items():
                 setattr(module, attr, value)
+
+
+def _track_modules(modules: list[nn.Module], names: dict[int, str], stack: list[str]) -> list:
+    """Hooks that keep `stack` = the modules being called, innermost last; their handles."""
+    handles = []
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(functools.partial(_enter, stack, names[id(module)])))
+        handles.append(module.register_forward_hook(functools.partial(_leave, stack), always_call=True))
+    return handles
 
 
 def _enter(stack: list[str], name: str, *_: Any) -> None:
