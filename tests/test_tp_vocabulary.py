@@ -48,6 +48,21 @@ def test_per_head_norms_synced_without_their_plan_entries(ranks, kind):
     assert applied.startswith("replicated_with_grad_allreduce (auto: per-head parameter"), applied
 
 
+def test_no_grad_indexer_stays_whole(ranks):
+    """HY-V4's top-k indexer sits inside the split attention, but its forward runs under
+    `torch.no_grad`: its parameters get no gradient, so smp replicates them (the peer does too)."""
+    reports = ranks(2).run(cases.equivalence, config=TP2, kind="hy_v4", timeout=300)
+    _check(reports)
+    applied = reports[0]["tp_plan"]["model.layers.0.self_attn.indexer.wq_b"]
+    assert applied.startswith("replicate (auto: 'model.layers.0.self_attn.indexer' runs its forward under torch.no_grad"), applied
+
+
+def test_indexer_with_gradients_is_refused(ranks):
+    """Negative control: the same indexer without its no_grad (its gradients would be partial)."""
+    for message in ranks(2).run(cases.indexer_with_gradients_error, config=TP2):
+        assert message.startswith("PlanError") and "self_attn.indexer" in message, message
+
+
 @pytest.mark.parametrize("plan", ["own", "stripped"])
 def test_unsynced_norm_gradients_are_caught(ranks, plan):
     """Negative control: with the sum broken, the norm gradients are off by ~5e-3 (loss ~1e-5)."""

@@ -86,7 +86,25 @@ def build(kind: str) -> nn.Module:
         return T.GPTJForCausalLM(T.GPTJConfig(
             n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, rotary_dim=8,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    if kind == "hy_v4":  # MLA + a top-k indexer whose forward runs under torch.no_grad
+        from tests.model_coverage_cases import build_family
+
+        return build_family("hy_v4")
     raise ValueError(kind)
+
+
+def indexer_with_gradients_error(config: dict) -> str:
+    """HY-V4 with its indexer's `@torch.no_grad()` taken off (its parameters then get partial
+    gradients inside the split attention): smp must refuse, not replicate them."""
+    from transformers.models.hy_v4 import modeling_hy_v4
+
+    indexer = modeling_hy_v4.HYV4Indexer
+    decorated = indexer.forward
+    indexer.forward = decorated.__wrapped__
+    try:
+        return transform_error(config, "hy_v4")
+    finally:
+        indexer.forward = decorated
 
 
 def plan_for(kind: str, plan: str) -> dict | None:

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Union
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -313,6 +314,35 @@ def _mla_whole_input(model, matched, regions, widths, source: str) -> list[Assig
     return extras
 
 
+def _runs_without_grad(module: nn.Module) -> bool:
+    """Whether the module's forward is decorated with `@torch.no_grad()` (or
+    `@torch.inference_mode()`): found from the decorator's closure, where torch keeps the context
+    manager it enters on each call (torch/utils/_contextlib.py)."""
+    forward = module.__dict__.get("forward", type(module).forward)
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            manager = getattr(cell.cell_contents, "__self__", None)
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(manager, torch.no_grad):
+            return True
+        if isinstance(manager, torch.inference_mode) and getattr(manager, "mode", False):
+            return True
+    return False
+
+
+def _gradless_owner(region: nn.Module, rname: str, sub: str) -> str | None:
+    """The module, from `region.<sub>` up to (not including) the region, whose forward runs
+    without gradients (DeepSeek-V3.2 / HY-V4's top-k indexer): nothing under it gets a gradient,
+    so its whole parameters are exact on every rank ('replicate'). None when there is none."""
+    parts = sub.split(".") if sub else []
+    for depth in range(len(parts), 0, -1):
+        path = ".".join(parts[:depth])
+        if _runs_without_grad(region.get_submodule(path)):
+            return f"{rname}.{path}" if rname else path
+    return None
+
+
 def _partial_grad_modules(model, modules, assigned, regions, widths, split=frozenset()) -> list[Assignment]:
     """Replicated parameters inside a split region whose gradient each rank computes only partly.
 
@@ -334,6 +364,12 @@ def _partial_grad_modules(model, modules, assigned, regions, widths, split=froze
                    if p.requires_grad and f"{name}.{n}" not in split]
             if not own or any(n == name or name.startswith(n + ".") for n in assigned):
                 continue  # split by the plan, or inside a module the plan styles as a whole
+            gradless = _gradless_owner(region, rname, sub)
+            if gradless is not None:
+                extras.append(Assignment(name, module, "replicate", why=(
+                    f"auto: {gradless!r} runs its forward under torch.no_grad, so these parameters "
+                    "get no gradient to be partial")))
+                continue
             if all(p.shape[-1] == width for _, p in own) and inline:
                 continue  # a residual-stream norm of an inline block: it sees the whole input
             if all(p.ndim == 1 and p.shape[0] == head_dim for _, p in own):
