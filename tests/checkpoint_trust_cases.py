@@ -273,6 +273,89 @@ def damage_is_refused(config: dict, root: str) -> dict:
         return out
 
 
+def _bytes_dcp_reads(path: str, shard: str) -> list[bool]:
+    """Which bytes of `shard` a plain DCP load of `path` reads (a spy on its file stream)."""
+    import contextlib
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+
+    read = [False] * os.path.getsize(os.path.join(path, shard))
+
+    class Spy:
+        def __init__(self, raw):
+            self._raw = raw
+
+        def readinto(self, buffer):
+            at, n = self._raw.tell(), self._raw.readinto(buffer)
+            read[at:at + n] = [True] * n
+            return n
+
+        def read(self, size=-1):
+            at, data = self._raw.tell(), self._raw.read(size)
+            read[at:at + len(data)] = [True] * len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self._raw, name)
+
+    class SpyFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, file, mode):
+            with super().create_stream(file, mode) as raw:
+                yield Spy(raw) if os.path.basename(file) == shard else raw
+
+    model, opt = _fresh()
+    state = {"model": smp.checkpointing.sharded.get_model_state_dict(model)}
+    reader = FileSystemReader(path)
+    reader.fs = SpyFileSystem()
+    dcp.load(state, storage_reader=reader, planner=smp.checkpointing.safe_read.SafeLoadPlanner())
+    return read
+
+
+def inline_digests(config: dict, root: str) -> dict:
+    """Digests taken from the bytes DCP writes and reads (smp/checkpointing/inline_digest.py)."""
+    with smp.session(config):
+        world = dist.get_world_size()
+        good, saved = _saved(root, "good")
+        meta = json.load(open(os.path.join(good, "smp_meta.json")))
+        out: dict = {"recorded_equal_file": {
+            f: digest.file_digest(os.path.join(good, f), e["digest"].split(":")[0]) == e["digest"]
+            for f, e in meta["files"].items()}}
+        # A clean load hashes no data file a second time.
+        hashed_again = []
+        whole_file = digest.file_digest
+
+        def counting(file, algo):
+            hashed_again.append(os.path.basename(file))
+            return whole_file(file, algo)
+
+        digest.file_digest = counting
+        try:
+            model, opt = _fresh()
+            out["ok"] = _error(smp.checkpointing.load, good, model, opt)
+        finally:
+            digest.file_digest = whole_file
+        out["ok_exact"] = _unchanged(saved, model)
+        out["hashed_again"] = [f for f in hashed_again if f.endswith(".distcp")]
+        # A flipped byte where DCP never reads (zip padding): only hashing the whole file sees it.
+        shard = f"__{world - 1}_0.distcp"
+        read = _bytes_dcp_reads(good, shard)
+        out["unread_bytes"] = read.count(False)
+        if out["unread_bytes"]:
+            at = read.index(False)
+            data = open(os.path.join(good, shard), "rb").read()
+            path = _copy(good, os.path.join(root, "flipped_unread"))
+            _write(path, shard, data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:], forge=False)
+            model, opt = _fresh()
+            _train_step(model, opt, seed=11)
+            before = _params(model)
+            out["flipped_unread"] = _error(smp.checkpointing.load, path, model, opt)
+            out["flipped_unread_unchanged"] = _unchanged(before, model)
+        out["shard"] = shard
+        return out
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. keep_last and latest() in a root shared with the user and with other runs
 

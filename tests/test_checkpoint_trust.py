@@ -62,6 +62,47 @@ def test_damage_is_refused_before_loading(ranks, tmp_path):
         assert r["latest_before"] == "step_2", r
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_digests_from_the_bytes_dcp_writes_and_reads(ranks, tmp_path, world):
+    """Save records each file's digest as DCP writes it, load checks it from the bytes DCP reads:
+    the recorded digests equal a separate hash of each file, a clean load hashes no data file a
+    second time, and a byte DCP never reads (zip padding) is still covered."""
+    for r in ranks(world).run(cases.inline_digests, config={}, root=str(tmp_path)):
+        assert r["recorded_equal_file"] and all(r["recorded_equal_file"].values()), r["recorded_equal_file"]
+        assert r["ok"] == "" and r["ok_exact"], r
+        assert r["hashed_again"] == [], r["hashed_again"]
+        assert r["unread_bytes"] > 0, "DCP read every byte: the unread-byte case proves nothing"
+        assert _refused(r["flipped_unread"], r["shard"], "digest"), r["flipped_unread"]
+        assert r["flipped_unread_unchanged"]
+
+
+@pytest.mark.parametrize("keep_at_most", [64 << 20, 100])
+def test_hashing_stream_hashes_the_whole_file_in_any_read_order(tmp_path, monkeypatch, keep_at_most):
+    """`_HashingRead` under random seeks, reads and readintos, small (kept) and large (hashed in
+    place), in any order, also with the kept-bytes cap hit: its digest is the file's."""
+    import random
+
+    from smp.checkpointing import digest, inline_digest
+
+    monkeypatch.setattr(inline_digest, "_KEEP_AT_MOST", keep_at_most)
+    rng = random.Random(0)
+    file = tmp_path / "data.bin"
+    file.write_bytes(rng.randbytes(5 * (1 << 20) + 123))
+    size = file.stat().st_size
+    for trial in range(20):
+        with open(file, "rb") as raw, open(file, "rb") as gaps:
+            stream = inline_digest._HashingRead(raw, "xxh3_64", gaps.fileno())
+            for _ in range(rng.randrange(0, 12)):
+                at = rng.randrange(0, size)
+                n = rng.choice([1, 30, 4096, (1 << 20) + 7, 3 << 20])
+                stream.seek(at)
+                if rng.random() < 0.5:
+                    stream.read(n)
+                else:
+                    stream.readinto(bytearray(min(n, size - at)))
+            assert stream.finish() == (size, digest.file_digest(str(file), "xxh3_64")), trial
+
+
 def test_keep_last_and_latest_in_a_shared_root(ranks, tmp_path):
     root = tmp_path / "root"
     for r in ranks(2).run(cases.shared_root, config={}, root=str(root)):

@@ -1,9 +1,9 @@
 """File digests: what a checkpoint's files were when they were committed, and the checks against it.
 
 At commit time every file of a checkpoint gets an entry `{"bytes": n, "digest": "<algo>:<hex>"}`
-in `smp_meta.json`; each rank hashes the files it wrote itself (right after writing them, from
-the page cache), so hashing runs on every rank at once. `load` verifies every listed file
-before anything is copied into the model; `latest()` only checks that each file is there with
+in `smp_meta.json`; each rank hashes the files it wrote itself, from the bytes as DCP writes
+them (inline_digest.py), so hashing runs on every rank at once. `load` verifies every listed
+file before anything is copied into the model (the data files from the bytes DCP reads); `latest()` only checks that each file is there with
 its recorded size (a stat, no read).
 
 The digest detects damage (flipped bits, truncation, a half-copied folder), not forgery: whoever
@@ -36,29 +36,50 @@ def algorithm() -> str:
     return "xxh3_64" if xxhash is not None else "crc32"
 
 
+class Hasher:
+    """A running digest: `update(buffer)` any number of times, then `result()` = `<algo>:<hex>`."""
+
+    def __init__(self, algo: str):
+        self.algo = algo
+        if algo == "xxh3_64":
+            if xxhash is None:
+                raise RuntimeError("this checkpoint's digests are xxh3-64: `pip install xxhash` to verify it")
+            self._h = xxhash.xxh3_64()
+            self.update = self._h.update
+        elif algo == "crc32":
+            self._crc = 0
+            self.update = self._update_crc
+        else:
+            raise RuntimeError(f"unknown digest algorithm {algo!r}")
+
+    def _update_crc(self, chunk) -> None:
+        self._crc = zlib.crc32(chunk, self._crc)
+
+    def result(self) -> str:
+        return f"{self.algo}:{self._h.hexdigest() if self.algo == 'xxh3_64' else format(self._crc, '08x')}"
+
+
 def file_digest(path: str, algo: str) -> str:
     """`<algo>:<hex>` of the file's bytes, read in chunks (constant memory)."""
-    if algo == "xxh3_64":
-        if xxhash is None:
-            raise RuntimeError("this checkpoint's digests are xxh3-64: `pip install xxhash` to verify it")
-        h = xxhash.xxh3_64()
-        update = h.update
-    elif algo == "crc32":
-        crc = 0
-
-        def update(chunk: bytes) -> None:
-            nonlocal crc
-            crc = zlib.crc32(chunk, crc)
-    else:
-        raise RuntimeError(f"unknown digest algorithm {algo!r}")
+    hasher = Hasher(algo)
     # readinto one reused buffer: no new bytes object per chunk (about 1.5-2x faster than
     # read() from the page cache). Not mmap: a file truncated while mapped kills the process.
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
-            update(view[:n])
-    return f"{algo}:{h.hexdigest() if algo == 'xxh3_64' else format(crc, '08x')}"
+            hasher.update(view[:n])
+    return hasher.result()
+
+
+def mismatch(entry: Mapping, size: int, found: str) -> str | None:
+    """Why a file of `size` bytes with digest `found` is not the one the save recorded (None
+    when it is)."""
+    if size != entry["bytes"]:
+        return f"has {size} bytes, {entry['bytes']} were written (truncated or replaced)"
+    if found != entry["digest"]:
+        return "does not match its recorded digest (its bytes changed since the save)"
+    return None
 
 
 def writer_rank(relpath: str) -> int:
@@ -115,13 +136,11 @@ def problems(directory: str, files: Mapping[str, Mapping], relpaths: list[str], 
         why = unsafe_path(directory, rel)
         if why is None:
             size = os.path.getsize(os.path.join(directory, rel))
-            if size != entry["bytes"]:
-                why = f"has {size} bytes, {entry['bytes']} were written (truncated or replaced)"
-            elif read:
+            why = mismatch(entry, size, entry["digest"])
+            if why is None and read:
                 algo = str(entry["digest"]).split(":", 1)[0]
                 try:
-                    if file_digest(os.path.join(directory, rel), algo) != entry["digest"]:
-                        why = "does not match its recorded digest (its bytes changed since the save)"
+                    why = mismatch(entry, size, file_digest(os.path.join(directory, rel), algo))
                 except (OSError, RuntimeError) as e:
                     why = f"cannot be verified: {e}"
         if why:

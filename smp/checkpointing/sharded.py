@@ -13,7 +13,7 @@ Layout of a checkpoint directory (plain DCP at its root, so `dcp.load` works wit
 Load treats the folder as untrusted input, in this order, every rank agreeing at each step
 before the next: smp_meta.json is checked field by field; the model and optimizer are
 compared with it; every file is checked against its digest (each rank hashes the files its
-rank wrote); every pickle is read through an allow-list (safe_read.py); DCP loads into a copy
+rank wrote, from the bytes DCP reads: inline_digest.py); every pickle is read through an allow-list (safe_read.py); DCP loads into a copy
 of the state, which replaces the model's and optimizer's only once everything succeeded. A
 failed load leaves both untouched.
 """
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from smp._version import __version__
-from smp.checkpointing import atomic, digest, metadata, rng, safe_read
+from smp.checkpointing import atomic, digest, inline_digest, metadata, rng, safe_read
 from smp.errors import CheckpointError
 from smp.mesh import ParallelDims
 
@@ -197,14 +197,17 @@ def _write_extra(tmp: str, extra: Any, path: str, needed: int) -> None:
 _BOOKKEEPING = frozenset({metadata.META_FILE, atomic.COMMIT_FILE, atomic.PARTIAL_FILE})
 
 
-def _gather_digests(tmp: str, group: dist.ProcessGroup | None) -> dict[str, dict]:
-    """Every data file's size and digest. Each rank hashes the files it wrote, just after
-    writing them (from the page cache); rank 0 also DCP's `.metadata`. Collective on `group`."""
+def _gather_digests(tmp: str, group: dist.ProcessGroup | None, written: dict[str, dict]) -> dict[str, dict]:
+    """Every data file's size and digest. Each rank describes the files it wrote: with the
+    digest its writer took while writing (`written`), else (DCP's `.metadata`, written under
+    another name and renamed; `extra`) by hashing the file. Collective on `group`."""
     rank, world = _rank(), _world()
     result: tuple[dict, str | None] = ({}, None)
     try:
         mine = [f for f in digest.data_files(tmp, _BOOKKEEPING) if digest.writer_rank(f) % world == rank]
-        result = (digest.describe(tmp, mine, digest.algorithm()), None)
+        known = {f: written[f] for f in mine
+                 if f in written and written[f]["bytes"] == os.path.getsize(os.path.join(tmp, f))}
+        result = ({**digest.describe(tmp, [f for f in mine if f not in known], digest.algorithm()), **known}, None)
     except Exception as e:  # noqa: BLE001 - raised below, on every rank
         result = ({}, f"rank {rank}: {type(e).__name__}: {e}")
     results = [result]
@@ -289,12 +292,13 @@ def save(
             background = True
             return
         try:
-            dcp.save(state, checkpoint_id=tmp, no_dist=not _dist())  # raises on every rank if any fails
+            writer = inline_digest.HashingWriter(tmp, digest.algorithm())
+            dcp.save(state, storage_writer=writer, no_dist=not _dist())  # raises on every rank if any fails
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             raise _save_error(e, path, needed) from None
-        meta["files"] = _gather_digests(tmp, None)
+        meta["files"] = _gather_digests(tmp, None, writer.written_digests)
         # Nobody returns before the checkpoint is visible to all (or all know it failed).
         on_rank0(lambda: _commit(path, meta, keep_last), f"committing checkpoint {path!r}")
     except BaseException:
@@ -312,7 +316,8 @@ def _start_async(
 ) -> None:
     global _pending, _pending_partial, _executor
     group = _get_async_group(timeout_seconds)
-    upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group, no_dist=not _dist())
+    writer = inline_digest.HashingWriter(tmp, digest.algorithm())
+    upload = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not _dist())
     rank = _rank()
 
     def finish() -> None:
@@ -320,7 +325,7 @@ def _start_async(
             upload.result()  # returns after every rank's shards and DCP's .metadata are written
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException; reported by wait()
             raise _save_error(e, path, needed) from None
-        meta["files"] = _gather_digests(tmp, group)
+        meta["files"] = _gather_digests(tmp, group, writer.written_digests)
         if rank == 0:
             _commit(path, meta, keep_last)
 
@@ -425,7 +430,7 @@ def _verify_structure(path: str, meta: dict[str, Any]) -> None:
     """Before anything is read: every listed file present, a regular file inside the folder, at
     its recorded size; the small files (DCP's `.metadata`, `extra`) also against their digests;
     on rank 0 `.metadata` through the allow-list, naming only listed files. The large data files'
-    digests are checked by `_start_verifying_data` while DCP reads them. Collective."""
+    digests are checked from the bytes DCP reads (`_data_problems`). Collective."""
     files = meta.get("files")
     if files is None:  # format 1: saved before smp recorded digests
         if _rank() == 0:
@@ -449,17 +454,23 @@ def _verify_structure(path: str, meta: dict[str, Any]) -> None:
     _agree("\n  ".join(found) or None, _DAMAGED.format(path=path))
 
 
-def _start_verifying_data(path: str, meta: dict[str, Any]) -> Future:
-    """Hash this rank's share of the data files in a thread, while DCP reads them into a copy
-    of the state (hashing and file reads release the GIL): the check costs about nothing on top
-    of the read, and still ends before anything is copied into the model. The future's result
-    is this rank's problems (None when all match)."""
+def _data_to_verify(meta: dict[str, Any]) -> dict[str, dict]:
+    """This rank's share of the data files (those its rank wrote) with their recorded entries."""
     files = meta.get("files") or {}
-    data = [f for f in _my_files(files) if f.endswith(".distcp")]
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smp-verify")
-    future = pool.submit(lambda: "\n  ".join(digest.problems(path, files, data, read=True)) or None)
-    pool.shutdown(wait=False)
-    return future
+    return {f: files[f] for f in _my_files(files) if f.endswith(".distcp")}
+
+
+def _data_problems(path: str, meta: dict[str, Any], reader: inline_digest.VerifyingReader,
+                   read_failed: bool) -> str | None:
+    """This rank's problems with its share of the data files (None when all match): checked
+    from the bytes DCP read (`reader.checked`); a file DCP did not open (a resharded load reads
+    other ranks' files) is hashed here. After a failed read every file is hashed again from
+    disk, so that the damaged one is named whatever DCP stopped on."""
+    mine = _data_to_verify(meta)
+    found = [] if read_failed else [f"{f} {why}" for f, why in sorted(reader.checked.items()) if why]
+    rest = sorted(mine) if read_failed else sorted(set(mine) - set(reader.checked))
+    found += digest.problems(path, mine, rest, read=True)
+    return "\n  ".join(found) or None
 
 
 def _empty_copy(state: Any) -> Any:
@@ -508,19 +519,20 @@ def load(
     _verify_structure(path, meta)
     saved_extra, own_rng = _read_extra(path, meta, allow_pickle)
     fresh_optimizer = optimizer is not None and not optimizer.state
-    verifying = _start_verifying_data(path, meta)
+    # DCP reads into a copy of the state; the digests of this rank's files are taken from the
+    # bytes it reads; all ranks agree they match before anything is copied into the model.
+    reader = inline_digest.VerifyingReader(path, _data_to_verify(meta))
     load_error = None
     try:
         state = _empty_copy(_state_dicts(model, optimizer))
-        dcp.load(state, storage_reader=safe_read.SafeReader(path), planner=safe_read.SafeLoadPlanner(),
-                 no_dist=not _dist())
+        dcp.load(state, storage_reader=reader, planner=safe_read.SafeLoadPlanner(), no_dist=not _dist())
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         load_error = e
     try:
         # Digests first: a damaged file is named even when DCP failed on it.
-        _agree(verifying.result(), _DAMAGED.format(path=path))
+        _agree(_data_problems(path, meta, reader, load_error is not None), _DAMAGED.format(path=path))
         if load_error is not None:
             raise CheckpointError(f"loading checkpoint {path!r} failed; the model and optimizer are "
                                   f"unchanged: {_summary(load_error)}") from None
