@@ -13,15 +13,20 @@ Median of --repeats runs, rank 0's clock after a barrier. Writes bench/results/c
     torchrun --standalone --nproc-per-node 2 bench/bench_checkpoint.py --digest
 
 instead compares sync save and load with file digests (what smp does: each rank hashes the
-files it wrote, load verifies every file first) against the same calls with hashing skipped
-(`digest.file_digest` replaced by a constant; sizes, paths and the allow-listed unpickling
-still run), alternating the two per repeat, and puts both next to this disk's write bandwidth
-(a dd-like 512 MiB write + fdatasync into --dir). Writes bench/results/checkpoint_digest.json.
+files it writes as DCP writes them, and checks them from the bytes DCP reads) against the same
+calls with every hash skipped ('hash_off': the cost of the digests alone) and against DCP's own
+writer and reader ('dcp'), the three modes taking turns each round (median of --repeats rounds
+after a warm-up round, and the median of the per-round ratios). Each load runs twice: from the
+page cache, right after its save, and cold (the files dropped from the page cache with
+posix_fadvise, as after a restart). Three more rounds count the seconds spent inside the hash
+function (the digests' own cost, free of the disk's noise). All next to this disk's write
+bandwidth (a dd-like 512 MiB write + fdatasync into --dir). Writes bench/results/checkpoint_digest.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -34,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 import smp
-from smp.checkpointing import digest
+from torch.distributed.checkpoint import FileSystemWriter
+
+from smp.checkpointing import digest, inline_digest, safe_read
 from smp.testing.models import tiny_llama_config
 
 
@@ -113,22 +120,145 @@ def disk_write_mb_s(root: str, mib: int = 512) -> float:
     return mib * 2**20 / 1e6 / seconds
 
 
+class _PlainWriter(FileSystemWriter):
+    """DCP's own writer in place of smp's hashing one: no digests recorded."""
+
+    def __init__(self, path, algo, **kwargs):
+        super().__init__(path, **kwargs)
+        self.written_digests: dict = {}
+
+
+class _PlainReader(safe_read.SafeReader):
+    """DCP's reader (with smp's allow-listed metadata) in place of the verifying one."""
+
+    def __init__(self, path, expected):
+        super().__init__(path)
+        self.checked = dict.fromkeys(expected)  # "all matched": nothing is hashed afterwards
+
+
+class _NoHash:
+    """In place of `digest.Hasher`: every digest is the same constant."""
+
+    def __init__(self, algo: str):
+        self.algo = algo
+
+    def update(self, chunk) -> None:
+        pass
+
+    def result(self) -> str:
+        return f"{self.algo}:skipped"
+
+
+class _TimedHasher:
+    """`digest.Hasher` that adds the seconds spent hashing to `_TimedHasher.seconds`: the cost
+    of the digests themselves, free of the disk's noise."""
+
+    seconds = 0.0
+
+    def __init__(self, algo: str):
+        self._hasher = _REAL_HASHER(algo)
+
+    def update(self, chunk) -> None:
+        t = time.perf_counter()
+        self._hasher.update(chunk)
+        _TimedHasher.seconds += time.perf_counter() - t
+
+    def result(self) -> str:
+        return self._hasher.result()
+
+
+_REAL_HASHER = digest.Hasher
+
+
+@contextlib.contextmanager
+def _mode(mode: str):
+    """'verified': smp as it is. 'hash_off': the same save and load, every hash skipped (the
+    cost of the digests alone). 'dcp': DCP's own writer and reader, no hashing streams (smp
+    before digests). 'timed': 'verified' counting the seconds spent hashing (its per-call clock
+    reads cost time of their own, so it runs apart from the timed comparison)."""
+    saved = (digest.Hasher, digest.file_digest, digest.mismatch, inline_digest.HashingWriter,
+             inline_digest.VerifyingReader)
+    if mode == "timed":  # verified, with the time inside the hash function counted
+        digest.Hasher = _TimedHasher
+    elif mode != "verified":
+        digest.Hasher = _NoHash
+        digest.file_digest = lambda path, algo: f"{algo}:skipped"
+        digest.mismatch = lambda entry, size, found: None  # loads the verified save's folder
+    if mode == "dcp":
+        inline_digest.HashingWriter, inline_digest.VerifyingReader = _PlainWriter, _PlainReader
+    try:
+        yield
+    finally:
+        (digest.Hasher, digest.file_digest, digest.mismatch, inline_digest.HashingWriter,
+         inline_digest.VerifyingReader) = saved
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _evict(directory: str) -> None:
+    """Drop a checkpoint's files from the page cache (DCP fsyncs them, so they are clean): the
+    next load reads from the disk, as a resume after a restart does. Every rank evicts all."""
+    dist.barrier()
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    dist.barrier()
+
+
 def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
     model, opt, n_params = _build(hidden, layers)
     fresh, fresh_opt, _ = _build(hidden, layers)
     ck = smp.checkpointing
-    real_digest = digest.file_digest
-    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in ("verified", "unverified")}
-    for i in range(repeats):
-        for mode in (("verified", "unverified") if i % 2 == 0 else ("unverified", "verified")):
-            digest.file_digest = real_digest if mode == "verified" else (lambda path, algo: f"{algo}:skipped")
+    # Wall seconds, and CPU seconds of the busiest rank (all its threads).
+    kinds = ("save", "load", "load_cold")
+    modes = ("verified", "hash_off", "dcp")
+    times: dict[str, dict[str, list[float]]] = {
+        m: {k + suffix: [] for k in kinds for suffix in ("", "_cpu", "_hash")} for m in modes + ("timed",)}
+
+    def measure(mode: str, i: int, what: str, op) -> None:
+        with _mode(mode):
+            cpu, _TimedHasher.seconds = time.process_time(), 0.0
+            seconds = _timed(op)
+            cpu, hashing = time.process_time() - cpu, _TimedHasher.seconds
+        if i > 0:
+            times[mode][what].append(seconds)
+            times[mode][what + "_cpu"].append(_max_over_ranks(cpu))
+            times[mode][what + "_hash"].append(_max_over_ranks(hashing))
+
+    def round_(i: int, order: tuple[str, ...]) -> None:
+        """Every mode saves to a folder of its own; then every mode loads the verified save's
+        folder (other folders sit elsewhere on the disk, which alone moved cold loads by up to
+        +-60% here), from the page cache and then cold."""
+        for mode in order:
             path = os.path.join(root, f"d{hidden}_{mode}_{i}")
-            try:
-                times[mode]["save"].append(_timed(lambda: ck.save(path, model, opt, extra={"step": i})))
-                times[mode]["load"].append(_timed(lambda: ck.load(path, fresh, fresh_opt)))
-            finally:
-                digest.file_digest = real_digest
-    sample = os.path.join(root, f"d{hidden}_verified_0")
+            measure(mode, i, "save", lambda: ck.save(path, model, opt, extra={"step": i}))
+        shared = os.path.join(root, f"d{hidden}_{order[0] if order == ('timed',) else 'verified'}_{i}")
+        for what in ("load", "load_cold"):
+            for mode in order:
+                if what == "load_cold":
+                    _evict(shared)
+                measure(mode, i, what, lambda: ck.load(shared, fresh, fresh_opt))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            for mode in order:
+                if (i, mode) != (1, "verified"):  # kept: hashed below
+                    shutil.rmtree(os.path.join(root, f"d{hidden}_{mode}_{i}"), ignore_errors=True)
+
+    # Round 0 is a warm-up, not measured: the first save and load of a process pay for page
+    # faults and allocator growth (~2x slower), which would land on whichever mode ran first.
+    for i in range(repeats + 1):
+        round_(i, modes if i % 2 == 0 else modes[::-1])
+    for i in range(1, 4):
+        round_(i, ("timed",))
+    sample = os.path.join(root, f"d{hidden}_verified_1")
     size = _dir_bytes(sample)
     # The hashing itself, on one rank, all files (a save or load splits it over the ranks):
     # robust to the disk noise that the end-to-end times carry on a shared machine.
@@ -140,12 +270,23 @@ def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
            "digest_algorithm": digest.algorithm(), "hash_all_files_one_rank_s": hash_s,
            "hash_mb_s": size / 1e6 / hash_s}
     for mode, t in times.items():
-        for what in ("save", "load"):
+        for what in kinds:
             seconds = statistics.median(t[what])
             row[f"{what}_{mode}_s"] = seconds
+            row[f"{what}_{mode}_each_s"] = [round(x, 4) for x in t[what]]
             row[f"{what}_{mode}_mb_s"] = size / 1e6 / seconds
-    for what in ("save", "load"):
-        row[f"{what}_slowdown"] = row[f"{what}_verified_s"] / row[f"{what}_unverified_s"] - 1
+            row[f"{what}_{mode}_cpu_s"] = statistics.median(t[what + "_cpu"])
+    for what in kinds:  # verified vs the same without hashing; vs DCP's own streams
+        row[f"{what}_slowdown"] = row[f"{what}_verified_s"] / row[f"{what}_hash_off_s"] - 1
+        # Median of the per-round ratios: both modes of a round share its disk and neighbours.
+        row[f"{what}_paired_slowdown"] = statistics.median(
+            v / h for v, h in zip(times["verified"][what], times["hash_off"][what])) - 1
+        row[f"{what}_cpu_slowdown"] = row[f"{what}_verified_cpu_s"] / row[f"{what}_hash_off_cpu_s"] - 1
+        row[f"{what}_vs_dcp"] = row[f"{what}_verified_s"] / row[f"{what}_dcp_s"] - 1
+        # Seconds the busiest rank spent inside the hash function, as a share of the operation.
+        timed = times["timed"]
+        row[f"{what}_hash_s"] = statistics.median(timed[what + "_hash"])
+        row[f"{what}_hash_share"] = statistics.median(h / v for h, v in zip(timed[what + "_hash"], timed[what]))
     dist.barrier()
     if dist.get_rank() == 0:
         for name in os.listdir(root):
@@ -204,10 +345,12 @@ def _main_digest(args, root: str) -> None:
         rows.append(bench_digest(hidden, layers, root, args.repeats))
         if dist.get_rank() == 0:
             r = rows[-1]
-            print(f"{r['params'] / 1e6:7.1f}M params  ckpt {r['checkpoint_bytes'] / 2**20:8.1f} MiB  "
-                  f"save {r['save_verified_s']:.3f}s vs {r['save_unverified_s']:.3f}s ({r['save_slowdown']:+.1%}, "
-                  f"{r['save_verified_mb_s']:.0f} MB/s)  load {r['load_verified_s']:.3f}s vs "
-                  f"{r['load_unverified_s']:.3f}s ({r['load_slowdown']:+.1%}, {r['load_verified_mb_s']:.0f} MB/s)  "
+            print(f"{r['params'] / 1e6:7.1f}M params  ckpt {r['checkpoint_bytes'] / 2**20:8.1f} MiB  " + "  ".join(
+                f"{what} {r[f'{what}_verified_s']:.3f}s / hash off {r[f'{what}_hash_off_s']:.3f}s "
+                f"({r[f'{what}_slowdown']:+.1%}, paired {r[f'{what}_paired_slowdown']:+.1%}, "
+                f"hashing {r[f'{what}_hash_s']:.3f}s = {r[f'{what}_hash_share']:.1%}, "
+                f"CPU {r[f'{what}_cpu_slowdown']:+.1%}) / DCP {r[f'{what}_dcp_s']:.3f}s"
+                for what in ("save", "load", "load_cold")) + "  "
                   f"disk {disk[0]:.0f} MB/s  hashing {r['hash_mb_s']:.0f} MB/s", flush=True)
     if dist.get_rank() == 0:
         out = Path(__file__).parent / "results" / "checkpoint_digest.json"
