@@ -77,9 +77,9 @@ class _HashingRead:
     """A read stream that hashes the file front to back whatever order it is read in."""
 
     def __init__(self, raw: Any, algo: str, gap_fd: int):
-        # Bytes no read covered are read through a descriptor of their own: a pread on DCP's
-        # descriptor would reset the kernel's readahead for its sequential reads (a cold load
-        # from disk was ~30% slower that way).
+        # Bytes no read covered are read through a descriptor of their own: the kernel keeps
+        # readahead state per open file, and preads elsewhere on DCP's descriptor would feed
+        # it a random pattern in the middle of DCP's sequential reads.
         self._raw, self._hasher, self._fd = raw, digest.Hasher(algo), gap_fd
         self.hashed_to = 0
         self._ahead: dict[int, bytes] = {}  # kept reads beyond hashed_to: offset -> bytes
