@@ -15,12 +15,14 @@ Median of --repeats runs, rank 0's clock after a barrier. Writes bench/results/c
 instead compares sync save and load with file digests (what smp does: each rank hashes the
 files it writes as DCP writes them, and checks them from the bytes DCP reads) against the same
 calls with every hash skipped ('hash_off': the cost of the digests alone) and against DCP's own
-writer and reader ('dcp'), the three modes taking turns each round (median of --repeats rounds
-after a warm-up round, and the median of the per-round ratios). Each load runs twice: from the
+writer and reader ('dcp'), the order rotating each round so that each mode runs first, second
+and third equally often (median of --repeats rounds, a multiple of 3, after a warm-up round, and
+the median of the per-round ratios; an os.sync() before each timed operation). Each load runs twice: from the
 page cache, right after its save, and cold (the files dropped from the page cache with
 posix_fadvise, as after a restart). Three more rounds count the seconds spent inside the hash
 function (the digests' own cost, free of the disk's noise). All next to this disk's write
-bandwidth (a dd-like 512 MiB write + fdatasync into --dir). Writes bench/results/checkpoint_digest.json.
+bandwidth (a dd-like 512 MiB write + fdatasync into --dir). Writes bench/results/checkpoint_digest.json
+(world 2; other world sizes: checkpoint_digest_w<N>.json).
 """
 
 from __future__ import annotations
@@ -224,6 +226,7 @@ def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
         m: {k + suffix: [] for k in kinds for suffix in ("", "_cpu", "_hash")} for m in modes + ("timed",)}
 
     def measure(mode: str, i: int, what: str, op) -> None:
+        os.sync()  # no other save's writeback in flight: each op starts from the same state
         with _mode(mode):
             cpu, _TimedHasher.seconds = time.process_time(), 0.0
             seconds = _timed(op)
@@ -254,8 +257,11 @@ def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
 
     # Round 0 is a warm-up, not measured: the first save and load of a process pay for page
     # faults and allocator growth (~2x slower), which would land on whichever mode ran first.
+    # The order rotates, so that every mode runs first, second and third equally often (a save
+    # that follows two others ran up to 2x slower here, whatever it was).
     for i in range(repeats + 1):
-        round_(i, modes if i % 2 == 0 else modes[::-1])
+        k = i % len(modes)
+        round_(i, modes[k:] + modes[:k])
     for i in range(1, 4):
         round_(i, ("timed",))
     sample = os.path.join(root, f"d{hidden}_verified_1")
@@ -353,7 +359,8 @@ def _main_digest(args, root: str) -> None:
                 for what in ("save", "load", "load_cold")) + "  "
                   f"disk {disk[0]:.0f} MB/s  hashing {r['hash_mb_s']:.0f} MB/s", flush=True)
     if dist.get_rank() == 0:
-        out = Path(__file__).parent / "results" / "checkpoint_digest.json"
+        world = dist.get_world_size()
+        out = Path(__file__).parent / "results" / ("checkpoint_digest.json" if world == 2 else f"checkpoint_digest_w{world}.json")
         out.write_text(json.dumps({
             "world_size": dist.get_world_size(), "torch": torch.__version__,
             "disk_write_mb_s": disk[0], "disk_probe": "512 MiB sequential write + fdatasync into --dir",
