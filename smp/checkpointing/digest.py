@@ -3,8 +3,8 @@
 At commit time every file of a checkpoint gets an entry `{"bytes": n, "digest": "<algo>:<hex>"}`
 in `smp_meta.json`; each rank hashes the files it wrote itself, from the bytes as DCP writes
 them (inline_digest.py), so hashing runs on every rank at once. `load` verifies every listed
-file before anything is copied into the model (the data files from the bytes DCP reads); `latest()` only checks that each file is there with
-its recorded size (a stat, no read).
+file before anything is copied into the model (the data files from the bytes DCP reads);
+`latest()` only checks that each file is there with its recorded size (a stat, no read).
 
 The digest detects damage (flipped bits, truncation, a half-copied folder), not forgery: whoever
 can rewrite the files can rewrite the digests. Loading stays safe against a forged checkpoint

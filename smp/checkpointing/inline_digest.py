@@ -115,18 +115,19 @@ class _HashingRead:
         if end <= self.hashed_to:
             return
         if at > self.hashed_to:
-            if len(view) < _KEEP_BELOW and self._kept + len(view) <= _KEEP_AT_MOST:
-                self._ahead[at] = bytes(view)
-                self._kept += len(view)
+            if len(view) < _KEEP_BELOW:  # kept, or over the cap read again when the hash gets here
+                if self._kept + len(view) <= _KEEP_AT_MOST:
+                    self._ahead[at] = bytes(view)
+                    self._kept += len(view)
                 return
-            if len(view) < _KEEP_BELOW:
-                return  # over the cap: read again when the hash gets here
-            self._hash_up_to(at)
+            self.hash_up_to(at)
         self._hasher.update(view[self.hashed_to - at:])
         self.hashed_to = end
 
-    def _hash_up_to(self, stop: int) -> None:
-        """Hash [hashed_to, stop) from the kept reads, reading from the file what none holds."""
+    def hash_up_to(self, stop: int) -> None:
+        """Hash [hashed_to, stop) from the kept reads, reading from the file what none holds.
+        The loader calls it at the start of each item (in offset order): everything before has
+        been read as much as it will be, and the kept reads stay few."""
         for offset in sorted(self._ahead):
             if offset >= stop or self.hashed_to >= stop:
                 break
@@ -150,14 +151,9 @@ class _HashingRead:
             self._hasher.update(data)
             self.hashed_to += len(data)
 
-    def hash_through(self, offset: int) -> None:
-        """Everything before `offset` has been read as much as it will be: hash it now (keeps
-        the kept reads few; the loader calls this at the start of each item, in offset order)."""
-        self._hash_up_to(offset)
-
     def finish(self) -> tuple[int, str]:
         """Hash the rest of the file; its size as hashed and `<algo>:<hex>`."""
-        self._hash_up_to(os.fstat(self._fd).st_size)
+        self.hash_up_to(os.fstat(self._fd).st_size)
         return self.hashed_to, self._hasher.result()
 
 
@@ -230,7 +226,7 @@ class VerifyingReader(safe_read.SafeReader):
 
     def _slice_file(self, file, sinfo):
         if isinstance(file, _HashingRead):
-            file.hash_through(sinfo.offset)
+            file.hash_up_to(sinfo.offset)
         return super()._slice_file(file, sinfo)
 
     def read_data(self, plan, planner):

@@ -13,9 +13,9 @@ Layout of a checkpoint directory (plain DCP at its root, so `dcp.load` works wit
 Load treats the folder as untrusted input, in this order, every rank agreeing at each step
 before the next: smp_meta.json is checked field by field; the model and optimizer are
 compared with it; every file is checked against its digest (each rank hashes the files its
-rank wrote, from the bytes DCP reads: inline_digest.py); every pickle is read through an allow-list (safe_read.py); DCP loads into a copy
-of the state, which replaces the model's and optimizer's only once everything succeeded. A
-failed load leaves both untouched.
+rank wrote, from the bytes DCP reads: inline_digest.py); every pickle is read through an
+allow-list (safe_read.py); DCP loads into a copy of the state, which replaces the model's and
+optimizer's only once everything succeeded. A failed load leaves both untouched.
 """
 
 from __future__ import annotations
@@ -460,13 +460,12 @@ def _data_to_verify(meta: dict[str, Any]) -> dict[str, dict]:
     return {f: files[f] for f in _my_files(files) if f.endswith(".distcp")}
 
 
-def _data_problems(path: str, meta: dict[str, Any], reader: inline_digest.VerifyingReader,
+def _data_problems(path: str, mine: dict[str, dict], reader: inline_digest.VerifyingReader,
                    read_failed: bool) -> str | None:
-    """This rank's problems with its share of the data files (None when all match): checked
-    from the bytes DCP read (`reader.checked`); a file DCP did not open (a resharded load reads
-    other ranks' files) is hashed here. After a failed read every file is hashed again from
-    disk, so that the damaged one is named whatever DCP stopped on."""
-    mine = _data_to_verify(meta)
+    """This rank's problems with its share of the data files, `mine` (None when all match):
+    checked from the bytes DCP read (`reader.checked`); a file DCP did not open (a resharded
+    load reads other ranks' files) is hashed here. After a failed read every file is hashed
+    again from disk, so that the damaged one is named whatever DCP stopped on."""
     found = [] if read_failed else [f"{f} {why}" for f, why in sorted(reader.checked.items()) if why]
     rest = sorted(mine) if read_failed else sorted(set(mine) - set(reader.checked))
     found += digest.problems(path, mine, rest, read=True)
@@ -521,7 +520,8 @@ def load(
     fresh_optimizer = optimizer is not None and not optimizer.state
     # DCP reads into a copy of the state; the digests of this rank's files are taken from the
     # bytes it reads; all ranks agree they match before anything is copied into the model.
-    reader = inline_digest.VerifyingReader(path, _data_to_verify(meta))
+    mine = _data_to_verify(meta)
+    reader = inline_digest.VerifyingReader(path, mine)
     load_error = None
     try:
         state = _empty_copy(_state_dicts(model, optimizer))
@@ -532,7 +532,7 @@ def load(
         load_error = e
     try:
         # Digests first: a damaged file is named even when DCP failed on it.
-        _agree(_data_problems(path, meta, reader, load_error is not None), _DAMAGED.format(path=path))
+        _agree(_data_problems(path, mine, reader, load_error is not None), _DAMAGED.format(path=path))
         if load_error is not None:
             raise CheckpointError(f"loading checkpoint {path!r} failed; the model and optimizer are "
                                   f"unchanged: {_summary(load_error)}") from None
