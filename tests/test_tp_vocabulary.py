@@ -28,9 +28,7 @@ MATRIX = [(k, c, n) for k in FAMILIES for c, n in ((TP2, "tp2"), (TP2_SP, "tp2-s
 def _check(reports: list[dict]) -> None:
     for report in reports:
         assert report["sharded"] > 0, report
-        assert report["loss_diff"] < TOL, report
-        assert report["grad_diff"] < TOL, sorted(report["grad_diffs"].items(), key=lambda kv: -kv[1])[:3]
-    assert reports[0]["losses"][-1] < reports[0]["losses"][0]  # it trains
+    cases.assert_matches_one_process(reports, TOL)
 
 
 @pytest.mark.parametrize("kind,config,name", MATRIX, ids=[f"{m[0]}-{m[2]}" for m in MATRIX])

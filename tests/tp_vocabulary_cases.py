@@ -181,6 +181,15 @@ def applied_plan(model: nn.Module) -> dict:
         1 for p in model.parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()))}
 
 
+def assert_matches_one_process(reports: list[dict], tol: float) -> None:
+    """Every rank's loss and gradients within `tol` of one process (`sgd_comparison`'s report,
+    naming the three worst gradients), and the run trains."""
+    for report in reports:
+        assert report["loss_diff"] < tol, report
+        assert report["grad_diff"] < tol, sorted(report["grad_diffs"].items(), key=lambda kv: -kv[1])[:3]
+    assert reports[0]["losses"][-1] < reports[0]["losses"][0]  # it trains
+
+
 def sgd_comparison(model: nn.Module, reference: nn.Module, batch: torch.Tensor, steps: int,
                    context=contextlib.nullcontext) -> dict:
     """`steps` SGD steps (lr 0.1) of the transformed `model` on this rank's rows of `batch` and of
