@@ -407,11 +407,44 @@ def shared_root(config: dict, root: str) -> dict:
 # 4. A full disk
 
 
-def disk_full(config: dict, root: str, inject: bool) -> dict:
-    """Save step_1, train, then save step_2 (sync, then async) on a disk that fills up: a real
-    small tmpfs at `root`, or (`inject`) a writer that raises ENOSPC on the last rank."""
+def _full_writes(where: str, rank: int):
+    """Make one kind of write of the next saves raise ENOSPC on `rank`; returns the undo.
+    "data": DCP's shard writes. "partial_marker" / "commit": the file that opens a partial
+    folder / smp_meta.json, which rank 0 writes before / after the shards (the file is created,
+    then the write fails, as on a disk that fills up)."""
+    import builtins
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+    from smp.checkpointing import atomic, metadata
+
+    def full() -> OSError:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if where == "data":
+        original = FileSystemWriter.write_data
+
+        def write_data(self, plan, planner):
+            if dist.get_rank() == rank:
+                raise full()
+            return original(self, plan, planner)
+        FileSystemWriter.write_data = write_data
+        return lambda: setattr(FileSystemWriter, "write_data", original)
+    module, name = {"partial_marker": (atomic, atomic.PARTIAL_FILE), "commit": (metadata, metadata.META_FILE)}[where]
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = builtins.open(file, mode, *args, **kwargs)
+        if dist.get_rank() == rank and "w" in mode and os.path.basename(file) == name:
+            f.close()
+            raise full()
+        return f
+    module.open = open_  # the module's own name for open shadows the builtin
+    return lambda: delattr(module, "open")
+
+
+def disk_full(config: dict, root: str, inject: str | None) -> dict:
+    """Save step_1, train, then save step_2 (sync, then async) on a disk that fills up: a real
+    small tmpfs at `root` (`inject` None), or ENOSPC injected into one kind of write (see
+    `_full_writes`): DCP's shard writes on the last rank, or rank 0's own files."""
     with smp.session(config):
         ck = smp.checkpointing
         model, opt = _fresh()
@@ -419,18 +452,13 @@ def disk_full(config: dict, root: str, inject: bool) -> dict:
         ck.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
         at_1 = _params(model)
         _train_step(model, opt, seed=5)
-        original = FileSystemWriter.write_data
-        if inject:
-            def full(self, plan, planner):
-                if dist.get_rank() == dist.get_world_size() - 1:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                return original(self, plan, planner)
-            FileSystemWriter.write_data = full
+        undo = _full_writes(inject, dist.get_world_size() - 1 if inject == "data" else 0) if inject else None
         out = {}
         try:
             out["sync"] = _error(ck.save, os.path.join(root, "step_2"), model, opt, extra={"step": 2})
             dist.barrier()
             out["sync_listing"] = sorted(os.listdir(root))
+            dist.barrier()  # rank 0 starts the async save (a new partial folder) only after every rank listed
 
             def async_save():
                 ck.save(os.path.join(root, "step_2"), model, opt, extra={"step": 2}, async_save=True)
@@ -439,7 +467,8 @@ def disk_full(config: dict, root: str, inject: bool) -> dict:
             dist.barrier()
             out["async_listing"] = sorted(os.listdir(root))
         finally:
-            FileSystemWriter.write_data = original
+            if undo:
+                undo()
         fresh, fresh_opt = _fresh()
         out["latest"] = os.path.basename(ck.latest(root))
         out["step"] = ck.load(ck.latest(root), fresh, fresh_opt)["step"]

@@ -123,8 +123,9 @@ def _disk_full_checks(results: list[dict]) -> None:
         assert r["latest"] == "step_1" and r["step"] == 1 and r["intact"], r
 
 
-def test_disk_full_injected(ranks, tmp_path):
-    _disk_full_checks(ranks(2).run(cases.disk_full, config={}, root=str(tmp_path), inject=True))
+@pytest.mark.parametrize("where", ["data", "partial_marker", "commit"])
+def test_disk_full_injected(ranks, tmp_path, where):
+    _disk_full_checks(ranks(2).run(cases.disk_full, config={}, root=str(tmp_path), inject=where))
 
 
 def test_disk_full_on_a_real_small_filesystem(ranks, tmp_path):
@@ -136,6 +137,6 @@ def test_disk_full_on_a_real_small_filesystem(ranks, tmp_path):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        _disk_full_checks(ranks(2).run(cases.disk_full, config={}, root=str(small), inject=False))
+        _disk_full_checks(ranks(2).run(cases.disk_full, config={}, root=str(small), inject=None))
     finally:
         subprocess.run(["umount", str(small)], check=True)

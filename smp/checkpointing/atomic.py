@@ -106,8 +106,13 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
             )
         shutil.rmtree(tmp)  # a crashed save's leftover
     os.makedirs(tmp)
-    with open(os.path.join(tmp, PARTIAL_FILE), "w") as f:
-        json.dump({"run_id": run_id}, f)
+    try:
+        with open(os.path.join(tmp, PARTIAL_FILE), "w") as f:
+            json.dump({"run_id": run_id}, f)
+    except BaseException:
+        # A folder without its marker would block every later save to `path` (not provably smp's).
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 

@@ -101,7 +101,11 @@ def _agree_on_tmp(path: str, kind: str = "sharded") -> str:
     def make() -> None:
         atomic.prepare(path, atomic.run_id(), kind)
         if kind == "sharded":
-            os.makedirs(os.path.join(tmp, EXTRA_DIR))
+            try:
+                os.makedirs(os.path.join(tmp, EXTRA_DIR))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)  # the folder prepare made just now
+                raise
 
     on_rank0(make, f"creating checkpoint directory {tmp!r}")
     return tmp
@@ -174,6 +178,11 @@ def _save_error(e: BaseException, path: str, needed: int) -> CheckpointError:
         )
     return CheckpointError(f"saving checkpoint {path!r} failed (not committed; the previous checkpoint "
                            f"is intact): {_summary(e)}")
+
+
+def _disk_full_or(e: CheckpointError, path: str, needed: int) -> CheckpointError:
+    """The disk-full error when a full disk made rank 0's step of saving `path` fail, else `e`."""
+    return _save_error(e, path, needed) if _is_disk_full(e, os.path.dirname(path), needed) else e
 
 
 def _write_extra(tmp: str, extra: Any, path: str, needed: int) -> None:
@@ -282,7 +291,10 @@ def save(
     meta = metadata.build(metadata.tensor_shapes(state["model"]), optimizer is not None, "sharded", dims)
     meta.update(metadata.describe_optimizer(optimizer), optimizer_fresh=fresh_optimizer, run_id=atomic.run_id())
     needed = _local_bytes(state) * _world()
-    tmp = _agree_on_tmp(path)
+    try:
+        tmp = _agree_on_tmp(path)
+    except CheckpointError as e:
+        raise _disk_full_or(e, path, needed) from None
     background = False  # once the async job runs, it owns the partial folder (wait() cleans it)
     try:
         _write_extra(tmp, extra, path, needed)
@@ -300,7 +312,10 @@ def save(
             raise _save_error(e, path, needed) from None
         meta["files"] = _gather_digests(tmp, None, writer.written_digests)
         # Nobody returns before the checkpoint is visible to all (or all know it failed).
-        on_rank0(lambda: _commit(path, meta, keep_last), f"committing checkpoint {path!r}")
+        try:
+            on_rank0(lambda: _commit(path, meta, keep_last), f"committing checkpoint {path!r}")
+        except CheckpointError as e:
+            raise _disk_full_or(e, path, needed) from None
     except BaseException:
         if _rank() == 0 and not background:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -323,11 +338,11 @@ def _start_async(
     def finish() -> None:
         try:
             upload.result()  # returns after every rank's shards and DCP's .metadata are written
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException; reported by wait()
+            meta["files"] = _gather_digests(tmp, group, writer.written_digests)
+            if rank == 0:
+                _commit(path, meta, keep_last)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException too; reported by wait()
             raise _save_error(e, path, needed) from None
-        meta["files"] = _gather_digests(tmp, group, writer.written_digests)
-        if rank == 0:
-            _commit(path, meta, keep_last)
 
     if _executor is None:
         _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smp-ckpt-commit")
