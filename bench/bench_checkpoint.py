@@ -15,9 +15,12 @@ Median of --repeats runs, rank 0's clock after a barrier. Writes bench/results/c
 instead compares sync save and load with file digests (what smp does: each rank hashes the
 files it writes as DCP writes them, and checks them from the bytes DCP reads) against the same
 calls with every hash skipped ('hash_off': the cost of the digests alone) and against DCP's own
-writer and reader ('dcp'), the order rotating each round so that each mode runs first, second
-and third equally often (median of --repeats rounds, a multiple of 3, after a warm-up round, and
-the median of the per-round ratios; an os.sync() before each timed operation). Each load runs twice: from the
+writer and reader ('dcp'), each round in another of the six orders, so that each mode runs
+first, second and third equally often and after each other mode equally often (median of
+--repeats rounds, a multiple of 6, after a warm-up round, and
+the median of the per-round ratios with its 95% bootstrap interval: on a shared machine single
+rounds differ by up to 2x, so the interval says what the rounds can resolve; an os.sync() before
+each timed operation). --repeats takes one count or one per size (e.g. 60,36,18). Each load runs twice: from the
 page cache, right after its save, and cold (the files dropped from the page cache with
 posix_fadvise, as after a restart). Three more rounds count the seconds spent inside the hash
 function (the digests' own cost, free of the disk's noise). All next to this disk's write
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -195,6 +200,26 @@ def _mode(mode: str):
          inline_digest.VerifyingReader) = saved
 
 
+def median_ci(values: list[float], level: float = 0.95, resamples: int = 4000) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the median of `values` (a fixed seed: reruns agree)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(resamples * (1 - level) / 2)], medians[int(resamples * (1 + level) / 2) - 1]
+
+
+def pooled_slowdowns(rows: list[dict]) -> dict[str, dict]:
+    """Verified vs hash off over the rounds of every size together, per operation and over all:
+    median of the per-round ratios and its 95% interval (the rows' own intervals are wide)."""
+    kinds = {"save": ("save",), "load": ("load",), "load_cold": ("load_cold",), "all": ("save", "load", "load_cold")}
+    result = {}
+    for name, whats in kinds.items():
+        ratios = [v / h - 1 for r in rows for what in whats
+                  for v, h in zip(r[f"{what}_verified_each_s"], r[f"{what}_hash_off_each_s"])]
+        result[name] = {"rounds": len(ratios), "paired_slowdown": statistics.median(ratios),
+                        "paired_slowdown_ci95": median_ci(ratios)}
+    return result
+
+
 def _max_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -239,29 +264,41 @@ def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
     def round_(i: int, order: tuple[str, ...]) -> None:
         """Every mode saves to a folder of its own; then every mode loads the verified save's
         folder (other folders sit elsewhere on the disk, which alone moved cold loads by up to
-        +-60% here), from the page cache and then cold."""
+        +-60% here), from the page cache and then cold. Each of the three phases starts with an
+        untimed operation: the first of a phase ran up to 2x slower here, whatever its mode
+        (one mode's median then depended on how often it came first)."""
+        scratch = os.path.join(root, f"d{hidden}_scratch_{i}")
+        os.sync()
+        ck.save(scratch, model, opt, extra={"step": i})
         for mode in order:
             path = os.path.join(root, f"d{hidden}_{mode}_{i}")
             measure(mode, i, "save", lambda: ck.save(path, model, opt, extra={"step": i}))
         shared = os.path.join(root, f"d{hidden}_{order[0] if order == ('timed',) else 'verified'}_{i}")
         for what in ("load", "load_cold"):
+            if what == "load_cold":
+                _evict(scratch)
+            ck.load(scratch, fresh, fresh_opt)
             for mode in order:
                 if what == "load_cold":
                     _evict(shared)
                 measure(mode, i, what, lambda: ck.load(shared, fresh, fresh_opt))
         dist.barrier()
         if dist.get_rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
             for mode in order:
                 if (i, mode) != (1, "verified"):  # kept: hashed below
                     shutil.rmtree(os.path.join(root, f"d{hidden}_{mode}_{i}"), ignore_errors=True)
 
     # Round 0 is a warm-up, not measured: the first save and load of a process pay for page
     # faults and allocator growth (~2x slower), which would land on whichever mode ran first.
-    # The order rotates, so that every mode runs first, second and third equally often (a save
-    # that follows two others ran up to 2x slower here, whatever it was).
+    # Each round takes the next of the six orders: every mode runs first, second and third
+    # equally often (a save that follows two others ran up to 2x slower here, whatever it was)
+    # and right after each other mode equally often (with three rotations only, verified
+    # mostly followed DCP and hash off mostly followed verified; its cold loads then came out
+    # 5-20% slower than hash off's, while alternating the two alone showed +0.1% to +5.1%).
+    orders = list(itertools.permutations(modes))
     for i in range(repeats + 1):
-        k = i % len(modes)
-        round_(i, modes[k:] + modes[:k])
+        round_(i, orders[i % len(orders)])
     for i in range(1, 4):
         round_(i, ("timed",))
     sample = os.path.join(root, f"d{hidden}_verified_1")
@@ -274,7 +311,7 @@ def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
     hash_s = time.perf_counter() - t
     row = {"hidden": hidden, "layers": layers, "params": n_params, "checkpoint_bytes": size,
            "digest_algorithm": digest.algorithm(), "hash_all_files_one_rank_s": hash_s,
-           "hash_mb_s": size / 1e6 / hash_s}
+           "hash_mb_s": size / 1e6 / hash_s, "mode_order_each": [orders[i % len(orders)] for i in range(1, repeats + 1)]}
     for mode, t in times.items():
         for what in kinds:
             seconds = statistics.median(t[what])
@@ -284,9 +321,13 @@ def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
             row[f"{what}_{mode}_cpu_s"] = statistics.median(t[what + "_cpu"])
     for what in kinds:  # verified vs the same without hashing; vs DCP's own streams
         row[f"{what}_slowdown"] = row[f"{what}_verified_s"] / row[f"{what}_hash_off_s"] - 1
-        # Median of the per-round ratios: both modes of a round share its disk and neighbours.
-        row[f"{what}_paired_slowdown"] = statistics.median(
-            v / h for v, h in zip(times["verified"][what], times["hash_off"][what])) - 1
+        # Median of the per-round ratios (both modes of a round share its disk and neighbours),
+        # with the interval that the spread of the rounds leaves it.
+        for base in ("hash_off", "dcp"):
+            ratios = [v / b - 1 for v, b in zip(times["verified"][what], times[base][what])]
+            name = "paired_slowdown" if base == "hash_off" else "paired_vs_dcp"
+            row[f"{what}_{name}"] = statistics.median(ratios)
+            row[f"{what}_{name}_ci95"] = median_ci(ratios)
         row[f"{what}_cpu_slowdown"] = row[f"{what}_verified_cpu_s"] / row[f"{what}_hash_off_cpu_s"] - 1
         row[f"{what}_vs_dcp"] = row[f"{what}_verified_s"] / row[f"{what}_dcp_s"] - 1
         # Seconds the busiest rank spent inside the hash function, as a share of the operation.
@@ -304,7 +345,7 @@ def bench_digest(hidden: int, layers: int, root: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="256x4,512x8,1024x8", help="hidden x layers, comma separated")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", default="3", help="rounds: one count, or one per size")
     parser.add_argument("--hybrid", type=int, default=0)
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
     parser.add_argument("--digest", action="store_true", help="save/load with vs without file digests")
@@ -319,9 +360,9 @@ def main() -> None:
         _main_digest(args, root)
         return
     rows = []
-    for size in args.sizes.split(","):
+    for size, repeats in zip(args.sizes.split(","), _repeats(args)):
         hidden, layers = (int(x) for x in size.split("x"))
-        rows.append(bench_size(hidden, layers, root, args.repeats))
+        rows.append(bench_size(hidden, layers, root, repeats))
         if dist.get_rank() == 0:
             r = rows[-1]
             print(f"{r['params'] / 1e6:7.1f}M params  ckpt {r['checkpoint_bytes'] / 2**20:8.1f} MiB  "
@@ -342,18 +383,27 @@ def main() -> None:
     smp.shutdown()
 
 
+def _repeats(args) -> list[int]:
+    counts = [int(x) for x in args.repeats.split(",")]
+    sizes = args.sizes.split(",")
+    if len(counts) not in (1, len(sizes)):
+        raise SystemExit(f"--repeats {args.repeats}: give one count or one per size ({len(sizes)})")
+    return counts * len(sizes) if len(counts) == 1 else counts
+
+
 def _main_digest(args, root: str) -> None:
     disk = [disk_write_mb_s(root) if dist.get_rank() == 0 else 0.0]
     dist.broadcast_object_list(disk, src=0)
     rows = []
-    for size in args.sizes.split(","):
+    for size, repeats in zip(args.sizes.split(","), _repeats(args)):
         hidden, layers = (int(x) for x in size.split("x"))
-        rows.append(bench_digest(hidden, layers, root, args.repeats))
+        rows.append(bench_digest(hidden, layers, root, repeats))
         if dist.get_rank() == 0:
             r = rows[-1]
             print(f"{r['params'] / 1e6:7.1f}M params  ckpt {r['checkpoint_bytes'] / 2**20:8.1f} MiB  " + "  ".join(
                 f"{what} {r[f'{what}_verified_s']:.3f}s / hash off {r[f'{what}_hash_off_s']:.3f}s "
-                f"({r[f'{what}_slowdown']:+.1%}, paired {r[f'{what}_paired_slowdown']:+.1%}, "
+                f"({r[f'{what}_slowdown']:+.1%}, paired {r[f'{what}_paired_slowdown']:+.1%} "
+                f"[{r[f'{what}_paired_slowdown_ci95'][0]:+.1%}, {r[f'{what}_paired_slowdown_ci95'][1]:+.1%}], "
                 f"hashing {r[f'{what}_hash_s']:.3f}s = {r[f'{what}_hash_share']:.1%}, "
                 f"CPU {r[f'{what}_cpu_slowdown']:+.1%}) / DCP {r[f'{what}_dcp_s']:.3f}s"
                 for what in ("save", "load", "load_cold")) + "  "
@@ -366,8 +416,12 @@ def _main_digest(args, root: str) -> None:
             "disk_write_mb_s": disk[0], "disk_probe": "512 MiB sequential write + fdatasync into --dir",
             "command": f"torchrun --standalone --nproc-per-node {dist.get_world_size()} "
                        f"bench/bench_checkpoint.py --digest --sizes {args.sizes} --repeats {args.repeats}",
-            "rows": rows,
+            "rows": rows, "pooled": pooled_slowdowns(rows),
         }, indent=1))
+        for name, p in pooled_slowdowns(rows).items():
+            lo, hi = p["paired_slowdown_ci95"]
+            print(f"pooled {name}: verified vs hash off {p['paired_slowdown']:+.1%} [{lo:+.1%}, {hi:+.1%}] "
+                  f"over {p['rounds']} rounds", flush=True)
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     smp.shutdown()

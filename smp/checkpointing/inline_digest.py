@@ -81,6 +81,8 @@ class _HashingRead:
         # readahead state per open file, and preads elsewhere on DCP's descriptor would feed
         # it a random pattern in the middle of DCP's sequential reads.
         self._raw, self._hasher, self._fd = raw, digest.Hasher(algo), gap_fd
+        # DCP's file views seek and tell around every read: bound here, not found by __getattr__.
+        self.seek, self.tell = raw.seek, raw.tell
         self.hashed_to = 0
         self._ahead: dict[int, bytes] = {}  # kept reads beyond hashed_to: offset -> bytes
         self._kept = 0
