@@ -14,8 +14,10 @@ Runs on gloo ranks (CPU), one cell at a time, 240 s at most per cell. A family t
 matches nor is refused (a crash, a silent mismatch, a mode that did nothing) is written as such
 and makes the script exit 1. Only the cells a run computes are rewritten (--families and
 --modes choose them); before each write the script re-reads --out and keeps every other cell,
-so runs on other families or columns at the same time keep theirs. The file is rewritten after
-each cell, so an interrupted run keeps the cells it finished.
+so runs on other families or columns at the same time keep theirs. The files are rewritten after
+each cell, so an interrupted run keeps the cells it finished. The page shows a verdict per cell
+with each distinct reason once; the full cell texts are kept in docs/model-coverage.json.
+`--render-only` rewrites the page from that file.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import datetime
 import fcntl
 import hashlib
+import json
 import os
 import re
 import sys
@@ -47,10 +50,14 @@ COLUMNS = {
     "ac-offload": "full checkpointing + offloading (world 2)",
     "tp2-fsdp2-sp": "TP=2 x FSDP 2 + sequence parallel (world 4)",
 }
+# mode -> its column head in the table (the full title is in the legend under it)
+SHORT = {
+    "fsdp": "FSDP", "hybrid": "hybrid 2x2", "delayed": "delayed init", "tp2": "TP 2", "peer": "peer TP 2",
+    "tp2-sp": "TP 2 + SP", "ac-offload": "AC + offload", "tp2-fsdp2-sp": "TP2 x FSDP2 + SP",
+}
 # mode -> the mode whose exact cell it needs first: world 4 is costly on a small machine, and a
 # family not exact at TP=2 + SP on world 2 gains nothing from the larger world.
 NEEDS_EXACT = {"tp2-fsdp2-sp": "tp2-sp"}
-TITLES = list(COLUMNS.values())
 NOT_RUN = "not run yet"
 
 
@@ -81,102 +88,146 @@ def cell_text(result: dict) -> str:
 
 def run_rows(pool: Callable[[int], RankPool], only: list[str] | None, modes: list[str],
              rows: dict[str, dict[str, str]]) -> Iterator[tuple[str, str, str]]:
-    """(family, column title, cell text) as each cell finishes; `pool(world)` gives the ranks,
-    `rows` the cells known so far (for NEEDS_EXACT)."""
+    """(family, mode, cell text) as each cell finishes; `pool(world)` gives the ranks, `rows` the
+    cells known so far (for NEEDS_EXACT)."""
     for family, reason in families(only):
         reason = reason or cases.can_build(family)
         texts = {}
         for mode in modes:
-            title, needed = COLUMNS[mode], NEEDS_EXACT.get(mode)
-            needed_text = texts.get(COLUMNS[needed], rows.get(family, {}).get(COLUMNS[needed], NOT_RUN)) if needed else ""
+            needed = NEEDS_EXACT.get(mode)
+            needed_text = texts.get(needed, rows.get(family, {}).get(needed, NOT_RUN)) if needed else ""
             if reason:
-                texts[title] = f"skipped: {reason}"
+                texts[mode] = f"skipped: {reason}"
             elif needed and not needed_text.startswith("exact"):
-                texts[title] = f"not run: {needed_text.split(':')[0]} under {COLUMNS[needed]}"
+                texts[mode] = f"not run: {needed_text.split(':')[0]} under {COLUMNS[needed]}"
             else:
                 world = cases.WORLD.get(mode, 2)
-                texts[title] = cell_text(cell(pool(world), family, mode))
-            print(family, mode, texts[title][:160], flush=True)
-            yield family, title, texts[title]
+                texts[mode] = cell_text(cell(pool(world), family, mode))
+            print(family, mode, texts[mode][:160], flush=True)
+            yield family, mode, texts[mode]
+
+
+def data_path(out: str) -> str:
+    """The full cell texts live beside the page (`docs/model-coverage.json`): the page shows a
+    verdict per cell and each distinct reason once, the JSON keeps every word for reruns."""
+    return os.path.splitext(out)[0] + ".json"
 
 
 def read_rows(path: str) -> dict[str, dict[str, str]]:
-    """family -> {column title: cell text} of a matrix this script wrote earlier, read by its
-    header, so that a file with fewer columns keeps its cells (none if there is no such file)."""
+    """family -> {mode: cell text} this script wrote earlier (none if there is none yet). Reads
+    the JSON beside `path`; a page written before the JSON existed is parsed by its header."""
+    if os.path.exists(data_path(path)):
+        with open(data_path(path)) as f:
+            return json.load(f)["cells"]
     if not os.path.exists(path):
         return {}
+    by_title = {title: mode for mode, title in COLUMNS.items()}
     rows, header = {}, None
     for line in open(path).read().splitlines():
         if not line.startswith("| "):
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if cells[0] == "family":
-            header = cells[1:]
+            header = [by_title.get(title) for title in cells[1:]]
         elif header and len(cells) == len(header) + 1:
-            rows[cells[0]] = dict(zip(header, cells[1:]))
+            rows[cells[0]] = {mode: text for mode, text in zip(header, cells[1:]) if mode}
     return rows
 
 
-def render(rows: dict[str, list[str]]) -> str:
-    """The matrix in registry order (families no longer in the registry dropped), with totals."""
-    counts: dict[str, dict[str, int]] = {t: {} for t in TITLES}
-    lines = [
-        "# Model coverage",
-        "",
-        "Generated by `scripts/model_coverage.py` (do not edit by hand) on "
-        f"{datetime.date.today().isoformat()}. Families: every causal-LM family in transformers' "
-        "registry whose config ships a `base_model_tp_plan`, built at a tiny shape (hidden 64, "
-        "2 layers, 4 heads, 2 KV heads, vocab 256, intermediate 128), plus BERT masked LM, T5 and "
-        "GPT-2 (no `base_model_tp_plan`; under TP they get smp's own table or its refusal). Each cell "
-        "compares one SGD step with the same model in one process: **exact** means loss and every "
-        "gradient within 1e-5 (delayed init: every parameter and buffer also bitwise equal to eager "
-        "construction; TP: at least one parameter split over the TP ranks; offloading: activations "
-        "moved to host); **refused** means smp raised its own error, quoted; **unproven** means within "
-        "1e-5 but the mode did nothing (no parameter split, nothing offloaded); **crash** quotes the "
-        "error's first line; **skipped** families cannot be built from `input_ids` alone here. TP "
-        "columns use the model's own plan and no user plan; sequence parallel also shards the norms "
-        "and dropout regions along the sequence; the world-4 column puts TP=2 inside FSDP over the 2 "
-        "data-parallel ranks, and runs for the families exact at TP=2 + SP on world 2. The hybrid column "
-        "shards each model over 2 ranks and replicates it twice (`hybrid_shard_degree: 2`, world 4). "
-        "Beside smp's TP=2, **transformers' own TP=2** is the peer: the same tiny model written with "
-        "`save_pretrained` and loaded with `from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))`, "
-        "compared with the same folder loaded in one process (same step, batch and tolerance; any "
-        "error from the peer is a crash, as it has no refusals to tell apart; **not run** says why, "
-        "e.g. the family ships no `base_model_tp_plan`). The checkpointing column wraps every block in full "
-        "activation checkpointing and offloads every saved activation to host "
-        "(`activation_offload_min_bytes: 0`). A family whose training forward draws random numbers "
-        "(PhiMoE's router samples its experts) is compared in eval mode, and says so: those draws "
-        "differ between one process and each rank's rows by design. The hand-built TP cases behind "
-        "this (per-head norms, MoE experts, gathered regions, GPT-J's user plan, the negative "
-        "controls) are in [Tensor parallelism](tensor-parallel.md#model-coverage).",
-        "",
-        f"| family | {' | '.join(TITLES)} |",
-        f"|---|{'---|' * len(TITLES)}",
-    ]
+def verdict(text: str) -> tuple[str, str | None]:
+    """('refused', reason) from 'refused: reason'; ('exact', note) from 'exact (note)'."""
+    status = re.match(r"[\w ]+?(?=:|$| \()", text).group()
+    rest = text[len(status):].strip()
+    if rest.startswith(":"):
+        rest = rest[1:].strip()
+    elif rest.startswith("(") and rest.endswith(")"):
+        rest = rest[1:-1].strip()
+    return status, rest or None
+
+
+INTRO = """\
+What each cell says: whether `smp.transform` with that column's config trains the family exactly
+like one process. **exact**: one SGD step gives the loss and every gradient within 1e-5 of the same
+model in one process (delayed init: every parameter and buffer also bitwise equal to eager
+construction; TP: at least one parameter really split; offloading: activations really moved to
+host). **refused [n]**: smp raised its own error before training, reason *n* below. **skipped [n]**:
+the family cannot be built or run from `input_ids` alone at the tiny shape (such families are
+listed under the table, not in it). **not run [n]**: the column does not apply, reason *n*. **unproven**: within 1e-5 but the mode did nothing. A
+**crash** or **mismatch** appears only in the peer's column: they are findings about transformers.
+
+How it is made: `scripts/model_coverage.py` (do not edit by hand; full cell texts in
+`model-coverage.json` beside this page), families from transformers' registry (every causal-LM
+family whose config ships a `base_model_tp_plan`) plus BERT masked LM, T5 and GPT-2, at hidden 64,
+2 layers, 4 heads, 2 KV heads, vocab 256, intermediate 128. TP columns use the model's own plan;
+SP also shards the norms and dropout regions along the sequence; *TP2 x FSDP2 + SP* runs for the
+families exact at TP 2 + SP. *Peer TP 2* is transformers' own tensor parallelism on the same
+folder (`from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))`) against the same
+folder in one process. *AC + offload* wraps every block in full checkpointing and offloads every
+saved activation (`activation_offload_min_bytes: 0`). A family whose training forward draws random
+numbers (PhiMoE's sampled routing) is compared in eval mode and says so. The hand-built TP cases
+behind this (per-head norms, MoE experts, gathered regions, user plans, negative controls) are in
+[Tensor parallelism](tensor-parallel.md#model-coverage)."""
+
+
+def render(rows: dict[str, dict[str, str]]) -> str:
+    """The matrix in registry order (families no longer in the registry dropped): a verdict per
+    cell, each distinct reason once as a numbered footnote, then totals per column."""
+    counts: dict[str, dict[str, int]] = {mode: {} for mode in COLUMNS}
+    reasons: dict[str, int] = {}  # full reason text -> footnote number, in order of first use
+    table, skipped = [], {}  # skipped: footnote number -> families skipped in every column for it
     for family, _ in families(None):
         if family not in rows:
             continue
-        texts = [rows[family].get(title, NOT_RUN) for title in TITLES]
-        for title, text in zip(TITLES, texts):
-            status = re.match(r"[\w ]+?(?=:|$| \()", text).group()
+        cells = []
+        for mode in COLUMNS:
+            status, reason = verdict(rows[family].get(mode, NOT_RUN))
             if status != "skipped":
-                counts[title][status] = counts[title].get(status, 0) + 1
-        lines.append(f"| {family} | " + " | ".join(texts) + " |")
-    lines += ["", "Totals:", ""] + [
-        f"- {title}: " + ", ".join(f"{n} {status}" for status, n in sorted(c.items())) for title, c in counts.items()
-    ] + ["", peer_summary(rows), ""]
+                counts[mode][status] = counts[mode].get(status, 0) + 1
+            if reason:
+                number = reasons.setdefault(f"{status}: {reason}", len(reasons) + 1)
+                status = f"{status} [{number}]"
+            cells.append(status)
+        if len(set(cells)) == 1 and cells[0].startswith("skipped"):
+            skipped.setdefault(cells[0], []).append(family)  # one line under the table, not a row
+        else:
+            table.append(f"| {family} | " + " | ".join(cells) + " |")
+    lines = [
+        "# Model coverage",
+        "",
+        f"Every transformers family smp was run on, by parallelism mode (generated {datetime.date.today().isoformat()}).",
+        "",
+        INTRO,
+        "",
+        f"| family | {' | '.join(SHORT[m] for m in COLUMNS)} |",
+        f"|---|{'---|' * len(COLUMNS)}",
+        *table,
+        "",
+        "Skipped in every column: " + "; ".join(f"{', '.join(fams)} ({cell})" for cell, fams in skipped.items()) + ".",
+        "",
+        "Columns: " + "; ".join(f"*{SHORT[m]}*: {COLUMNS[m]}" for m in COLUMNS) + ".",
+        "",
+        "Totals (skipped families not counted):",
+        "",
+        *(f"- {SHORT[m]}: " + ", ".join(f"{n} {status}" for status, n in sorted(c.items())) for m, c in counts.items()),
+        "",
+        peer_summary(rows),
+        "",
+        "## Reasons",
+        "",
+        *(f"{n}. {text}" for text, n in reasons.items()),
+        "",
+    ]
     return "\n".join(lines)
 
 
 def peer_summary(rows: dict[str, dict[str, str]]) -> str:
     """One line comparing smp's TP=2 column with the peer's, family by family."""
-    smp_title, peer_title = COLUMNS["tp2"], COLUMNS["peer"]
     # families built here with both cells computed, in registry order
     listed = [f for f, _ in families(None)
-              if f in rows and NOT_RUN not in (rows[f].get(smp_title, NOT_RUN), rows[f].get(peer_title, NOT_RUN))
-              and not rows[f][peer_title].startswith("skipped")]
-    smp_exact = {f for f in listed if rows[f][smp_title].startswith("exact")}
-    peer_exact = {f for f in listed if rows[f][peer_title].startswith("exact")}
+              if f in rows and NOT_RUN not in (rows[f].get("tp2", NOT_RUN), rows[f].get("peer", NOT_RUN))
+              and not rows[f]["peer"].startswith("skipped")]
+    smp_exact = {f for f in listed if rows[f]["tp2"].startswith("exact")}
+    peer_exact = {f for f in listed if rows[f]["peer"].startswith("exact")}
     only_peer = [f for f in listed if f in peer_exact - smp_exact]
     only_smp = [f for f in listed if f in smp_exact - peer_exact]
     return (f"smp vs transformers' own TP=2, over the {len(listed)} families with both cells: the peer is exact "
@@ -186,20 +237,25 @@ def peer_summary(rows: dict[str, dict[str, str]]) -> str:
 
 
 def write_merged(path: str, computed: dict[str, dict[str, str]]) -> None:
-    """Re-read `path` and write it back with every cell of `computed` (all this run has
-    computed, not only the last cell: a concurrent run that rewrote the file from an older copy
+    """Re-read the cells and write them back with every cell of `computed` (all this run has
+    computed, not only the last cell: a concurrent run that rewrote the files from an older copy
     loses nothing of ours at our next write) and every other cell as it stands now. Runs of this
-    script take turns through a lock file, and the file is replaced whole, never half-written."""
+    script take turns through a lock file, and each file is replaced whole, never half-written."""
     lock = os.path.join(tempfile.gettempdir(), "model-coverage-" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12] + ".lock")
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         rows = read_rows(path)
         for family, texts in computed.items():
             rows[family] = {**rows.get(family, {}), **texts}
-        staged = f"{path}.{os.getpid()}.tmp"
-        with open(staged, "w") as f:
-            f.write(render(rows))
-        os.replace(staged, path)
+        replace_whole(data_path(path), json.dumps({"cells": rows}, indent=1, sort_keys=True) + "\n")
+        replace_whole(path, render(rows))
+
+
+def replace_whole(path: str, text: str) -> None:
+    staged = f"{path}.{os.getpid()}.tmp"
+    with open(staged, "w") as f:
+        f.write(text)
+    os.replace(staged, path)
 
 
 def main() -> int:
@@ -207,7 +263,11 @@ def main() -> int:
     parser.add_argument("--families", help="comma-separated subset (default: all)")
     parser.add_argument("--modes", help=f"comma-separated columns to run (default: all): {', '.join(COLUMNS)}")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "model-coverage.md"))
+    parser.add_argument("--render-only", action="store_true", help="rewrite the page from the stored cells; run nothing")
     args = parser.parse_args()
+    if args.render_only:
+        write_merged(args.out, {})
+        return 0
     os.environ.setdefault("TRITON_INTERPRET", "1")
     only = args.families.split(",") if args.families else None
     modes = args.modes.split(",") if args.modes else list(COLUMNS)
@@ -215,7 +275,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown --modes {unknown}; choose from {list(COLUMNS)}")
     rows = read_rows(args.out)
-    computed: dict[str, dict[str, str]] = {}  # family -> {column title: cell text} of this run
+    computed: dict[str, dict[str, str]] = {}  # family -> {mode: cell text} of this run
     pools: dict[int, RankPool] = {}
 
     def pool(world: int) -> RankPool:
@@ -224,16 +284,16 @@ def main() -> int:
         return pools[world]
 
     try:
-        for family, title, text in run_rows(pool, only, modes, rows):
-            computed.setdefault(family, {})[title] = text
+        for family, mode, text in run_rows(pool, only, modes, rows):
+            computed.setdefault(family, {})[mode] = text
             write_merged(args.out, computed)  # after each cell: an interrupted run keeps its cells
     finally:
         for p in pools.values():
             p.close()
     # the peer's crashes and mismatches are findings about transformers, not failures of smp
     bad = sorted(f for f, texts in computed.items()
-                 if any(t.startswith(("crash", "mismatch", "unproven")) for title, t in texts.items()
-                        if title != COLUMNS["peer"]))
+                 if any(t.startswith(("crash", "mismatch", "unproven")) for mode, t in texts.items()
+                        if mode != "peer"))
     if bad:
         print(f"neither exact nor refused: {bad}", file=sys.stderr)
     return 1 if bad else 0
