@@ -1,0 +1,97 @@
+"""Background (async) saves: the gloo group their collectives run on, the thread that commits
+them, and the pending job that `wait()` finishes, held by one `AsyncSaves` object.
+
+What a job does (DCP's upload, digests, commit) is sharded.py's; this module only runs it off
+the training thread and reports its outcome on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch.distributed as dist
+
+from smp.checkpointing.collective import is_dist, rank, world
+from smp.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class AsyncSaves:
+    """At most one async save in flight, with what it runs on; `close()` at shutdown."""
+
+    def __init__(self) -> None:
+        self._pending: Future | None = None  # the commit job of the last async save
+        self._pending_partial: str | None = None  # its partial folder, removed by wait() if it failed
+        self._group: dist.ProcessGroup | None = None
+        self._group_world: dist.ProcessGroup | None = None  # the default group it was made under
+        self._executor: ThreadPoolExecutor | None = None
+
+    def group(self, timeout_seconds: float | None) -> dist.ProcessGroup | None:
+        """A gloo group of its own for the background save: its collectives run in another
+        thread and must never interleave with the training step's collectives on the default
+        group. `timeout_seconds` applies when the group is made (None: torch's default)."""
+        if not is_dist():
+            return None
+        default = dist.distributed_c10d._get_default_group()
+        if self._group is None or self._group_world is not default:  # new process group since
+            timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+            self._group, self._group_world = dist.new_group(backend="gloo", timeout=timeout), default
+        return self._group
+
+    def submit(self, finish: Callable[[], None], partial: str) -> None:
+        """Run `finish` (the upload's commit job) in the background; `partial` is the folder
+        wait() removes if it fails."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smp-ckpt-commit")
+        self._pending, self._pending_partial = self._executor.submit(finish), partial
+
+    def wait(self) -> None:
+        """Finish a pending async save (collective when one is pending); re-raise its error."""
+        job, tmp = self._pending, self._pending_partial
+        self._pending = self._pending_partial = None
+        if job is None:
+            return
+        error = None
+        try:
+            job.result()
+        except BaseException as e:  # noqa: BLE001 - raised below, on every rank
+            error = f"{type(e).__name__}: {e}"
+        errors = [error]
+        if is_dist():  # doubles as the barrier: the checkpoint is committed for all, or failed for all
+            errors = [None] * world()
+            dist.all_gather_object(errors, error)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        if failed:
+            if rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError("async checkpoint save failed (not committed; its partial files are removed, "
+                                  "the previous checkpoint is intact):\n  " + "\n  ".join(failed))
+
+    def close(self) -> None:
+        """At `smp.shutdown`: commit a pending async save before the process group goes.
+        A failure is logged, not raised (shutdown must finish); that checkpoint stays
+        uncommitted, so latest() never returns it."""
+        try:
+            self.wait()
+        except BaseException as e:  # noqa: BLE001
+            log.error("smp.checkpointing: the pending async save failed and was not committed: %s", e)
+        # A reference kept here would keep the group, and its gloo threads, alive into
+        # interpreter finalization (see smp/reliability/teardown.py). The next session's first
+        # async save makes a new one. After wait(), no rank has work left on it: destroying it
+        # needs no peer.
+        group, self._group, self._group_world = self._group, None, None
+        if group is not None and is_dist() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+
+
+_saves = AsyncSaves()
+
+
+def saves() -> AsyncSaves:
+    """The AsyncSaves that save, load and wait use."""
+    return _saves
