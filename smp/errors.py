@@ -33,3 +33,9 @@ class UsageError(Error, ValueError):
 
 class PeerFailure(Error, RuntimeError):
     """Raised on a rank whose step failed because another rank failed first."""
+
+
+class UnsupportedVersionError(Error, RuntimeError):
+    """A feature the installed torch / transformers / accelerate cannot provide. Raised when the
+    feature is used (never at `import smp`); the message names the feature, the installed
+    version and the version it needs."""

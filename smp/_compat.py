@@ -1,0 +1,523 @@
+"""The one door to other libraries' private names (torch, transformers, accelerate).
+
+Every access smp makes to a name those libraries do not document (an attribute or module whose
+name starts with "_") goes through a function here, so that a new release breaks this file, not
+fifty. Each accessor uses the public API where the running version has one, says which versions
+it was checked on, and, where neither a public nor the private name exists, raises
+`UnsupportedVersionError` naming the feature and the installed version. That happens when the
+feature is used: importing this module (and so `import smp`) works on every torch smp supports,
+whatever is missing. tests/test_compat_layer.py checks that no other module of smp goes around it.
+
+"Checked on" ranges are the versions smp's test suite ran on: torch 2.9.1, 2.11.0, 2.13.0,
+2.14.1; transformers 5.17, 5.23; accelerate 1.15.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import importlib.metadata
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from smp.errors import UnsupportedVersionError
+
+
+def installed(package: str) -> str:
+    """The installed version of `package` ("not installed" when it is not)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch: 2.11.0+cu130 -> (2, 11)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def unsupported(feature: str, package: str = "torch", needs: str = "", fix: str = "") -> UnsupportedVersionError:
+    """The error for `feature`, which the installed `package` cannot provide."""
+    wanted = f" needs {package} {needs}" if needs else f" is not available in {package} {installed(package)}"
+    tail = f" {fix}" if fix else f" Install a {package} version smp supports (see docs/compatibility.md)."
+    return UnsupportedVersionError(f"{feature}{wanted} (installed: {package} {installed(package)}).{tail}")
+
+
+def _private(module: str, name: str) -> Any:
+    """`module.name`, or None when this version lacks either."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# torch: pytree and dispatch modes
+# ----------------------------------------------------------------------------------------------
+
+# torch.utils._pytree: no public module on 2.9-2.14 (torch.utils.pytree does not exist there).
+_pytree = importlib.import_module("torch.utils._pytree")
+tree_leaves = _pytree.tree_leaves
+tree_map_only = _pytree.tree_map_only
+
+# The base class of dispatch modes (torch.utils._python_dispatch, checked 2.9-2.14; torch has no
+# public name for it). Where it is missing, using a mode built on it raises.
+_dispatch_mode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
+if _dispatch_mode is None:  # pragma: no cover - no supported torch lacks it
+
+    class TorchDispatchMode:  # type: ignore[no-redef]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise unsupported(f"{type(self).__name__} (a torch dispatch mode)")
+
+else:
+    TorchDispatchMode = _dispatch_mode
+
+
+def op_name(func: Any) -> str:
+    """"namespace::op" of an OpOverload (overload not included), as in its schema. OpOverload's
+    `_schema` (checked 2.9-2.14); `name()` is public but includes the overload."""
+    return func._schema.name
+
+
+# The types of torch.ops.aten.mm.default and torch.ops.aten.mm (torch._ops, 2.9-2.14).
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+# Every Python object that computes scaled-dot-product attention: the public function and the
+# C binding it forwards to (which some models call directly). torch._C._nn, checked 2.9-2.14.
+SDPA_FUNCTIONS = frozenset(
+    f for f in (F.scaled_dot_product_attention, getattr(getattr(torch._C, "_nn", None), "scaled_dot_product_attention", None))
+    if f is not None
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch: tensors and autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (a forward seen then is an
+    activation-checkpoint recompute). torch has no public test: `torch._C._current_graph_task_id`
+    (-1 outside backward), checked 2.9-2.14."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    if current is None:
+        raise unsupported("telling a checkpoint recompute from a forward (torch._C._current_graph_task_id)")
+    return current() != -1
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` is a view of (None when it is not a view): `Tensor._base`, 2.9-2.14."""
+    return t._base
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """The in-place modification counter of `t`: `Tensor._version`, 2.9-2.14."""
+    return t._version
+
+
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor as it is stored, outside autograd (`DTensor.to_local()` is
+    the public, differentiable way; hooks and dispatch modes need the stored tensor):
+    `DTensor._local_tensor`, 2.9-2.14. Other tensors are returned as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def dtensor_spec(t: torch.Tensor) -> Any:
+    """A DTensor's spec (mesh, placements, global shape and stride in one object, which
+    `DTensor.from_local` does not take whole): `DTensor._spec`, 2.9-2.14; None for others."""
+    from torch.distributed.tensor import DTensor
+
+    return t._spec if isinstance(t, DTensor) else None
+
+
+def dtensor_from_spec(local: torch.Tensor, spec: Any, requires_grad: bool) -> torch.Tensor:
+    """A DTensor from its local shard and a spec taken with `dtensor_spec` (the DTensor
+    constructor, 2.9-2.14, takes exactly these)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch: nn.Module internals
+# ----------------------------------------------------------------------------------------------
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The module's own parameter slots, the live dict (writing a key replaces the parameter
+    without the checks of `register_parameter`, e.g. to put a DTensor or a plain tensor there):
+    `nn.Module._parameters`, 2.9-2.14. Reading only: `module.named_parameters(recurse=False)`."""
+    return module._parameters
+
+
+def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own buffer slots, the live dict: `nn.Module._buffers`, 2.9-2.14."""
+    return module._buffers
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Names of the module's own buffers left out of its state dict:
+    `nn.Module._non_persistent_buffers_set`, 2.9-2.14."""
+    return module._non_persistent_buffers_set
+
+
+def add_parameter_slot(module: nn.Module, name: str, value: nn.Parameter | None) -> None:
+    """Put `value` in the module's parameter slot `name` as it is (see `own_parameters`)."""
+    module._parameters[name] = value
+
+
+# The attributes that make a module call more than `forward`: its hook dicts (2.9-2.14) and
+# torch.compile's replacement of the call (`_compiled_call_impl`, 2.9-2.14).
+_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks",
+)
+
+
+@contextlib.contextmanager
+def without_hooks(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Every module of `modules` called without its hooks (FSDP's, tensor parallel's, ...) and
+    without a compiled call, restored on exit. Hooks registered inside are dropped on exit."""
+    saved = {}
+    for module in modules:
+        for attr in _HOOK_DICTS:
+            if not hasattr(module, attr):
+                raise unsupported(f"calling {type(module).__name__} without its hooks (nn.Module.{attr})")
+        saved[module] = {attr: getattr(module, attr) for attr in _HOOK_DICTS}
+        saved[module]["_compiled_call_impl"] = getattr(module, "_compiled_call_impl", None)
+        for attr in _HOOK_DICTS:
+            setattr(module, attr, OrderedDict())
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, attrs in saved.items():
+            for attr, value in attrs.items():
+                setattr(module, attr, value)
+
+
+def apply_style(style: Any, module: nn.Module, device_mesh: Any) -> nn.Module:
+    """Apply a tensor-parallel `ParallelStyle` to `module`: its `_apply`, the method torch's
+    custom-style API asks subclasses to implement (2.9-2.14; `parallelize_module` calls it)."""
+    return style._apply(module, device_mesh)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.distributed: process groups, meshes, functional collectives
+# ----------------------------------------------------------------------------------------------
+
+
+def default_store() -> dist.Store:
+    """The store of the default process group: `distributed_c10d._get_default_store`, 2.9-2.14."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def group_is_alive(group: dist.ProcessGroup) -> bool:
+    """True while `group` is registered (not destroyed): torch keeps them in the private
+    `distributed_c10d._world.pg_map` (2.9-2.14; no public query)."""
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
+    """Set the timeout of every backend of `group` for the operations that follow. Public
+    `torch.distributed.set_timeout` from 2.14 (2.15 deprecates the private one); before that the
+    private `distributed_c10d._set_pg_timeout` (2.9-2.13)."""
+    public = getattr(dist, "set_timeout", None)
+    if public is not None:
+        public(timeout, group)
+        return
+    private = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if private is None:
+        raise unsupported("setting a process group's timeout (distributed.timeout_seconds)")
+    private(timeout, group)
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta:
+    """The timeout `group`'s backend for `device` uses now. torch has no public getter: the
+    backend's `options._timeout` via `ProcessGroup._get_backend` (2.9-2.14)."""
+    return group._get_backend(device).options._timeout
+
+
+def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
+    """`mesh[dims]` flattened into one dimension called `name` (registered on the root mesh, so
+    `root[name]` finds it): `DeviceMesh._flatten`, 2.9-2.14, no public name.
+
+    Name only dimensions of the root mesh in `dims`: torch 2.9 cannot flatten a slice that
+    contains an already-flattened dimension (`tuple.index(x): x not in tuple`)."""
+    sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    if not hasattr(sub, "_flatten"):
+        raise unsupported("flattening device-mesh dimensions (DeviceMesh._flatten)")
+    return sub._flatten(name)
+
+
+def forget_mesh_groups(mesh: Any) -> None:
+    """Drop the process groups `mesh` caches, once they are destroyed, so that the mesh (which
+    outlives shutdown in whatever still references it) does not keep them alive until
+    finalization. torch 2.11-2.14 cache them in the root mesh's `_pg_registry` (a dict); 2.9 and
+    2.10 cache only group names (`_dim_group_names`), which hold nothing alive: nothing to drop.
+    Any other layout raises (a silent skip would leave gloo threads running into finalization)."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
+    elif not hasattr(mesh, "_dim_group_names"):
+        raise unsupported("releasing a DeviceMesh's process groups at smp.shutdown")
+
+
+def _gather_grad_contiguous() -> type[torch.autograd.Function]:
+    class _ContiguousGrad(torch.autograd.Function):
+        """Identity whose backward hands on a contiguous gradient (torch 2.9-2.12's autograd
+        all-gather reduce-scatters its gradient as it comes, and refuses a strided one)."""
+
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad.contiguous()
+
+    return _ContiguousGrad
+
+
+_CONTIGUOUS_GRAD: type[torch.autograd.Function] | None = None
+
+
+def all_gather_autograd(t: torch.Tensor, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The tensors of `group` concatenated along `gather_dim`, differentiable (backward
+    reduce-scatters the gradient). `_functional_collectives.all_gather_single_autograd` (2.13,
+    2.14); before, `all_gather_tensor_autograd` (2.9-2.12), whose backward needs a contiguous
+    gradient: smp makes it so."""
+    global _CONTIGUOUS_GRAD
+    funcol = importlib.import_module("torch.distributed._functional_collectives")
+    single = getattr(funcol, "all_gather_single_autograd", None)
+    if single is not None:
+        out = single(t.contiguous(), gather_dim=gather_dim, group=group)
+    else:
+        older = getattr(funcol, "all_gather_tensor_autograd", None)
+        if older is None:
+            raise unsupported("a differentiable all-gather (expert-parallel load-balancing loss)")
+        out = older(t.contiguous(), gather_dim=gather_dim, group=group)
+        out = out.wait() if hasattr(out, "wait") else out
+        if _CONTIGUOUS_GRAD is None:
+            _CONTIGUOUS_GRAD = _gather_grad_contiguous()
+        out = _CONTIGUOUS_GRAD.apply(out)
+    return out.wait() if hasattr(out, "wait") else out  # an AsyncCollectiveTensor until used
+
+
+def all_to_all_autograd(
+    t: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Differentiable all-to-all with uneven splits (backward sends the gradients back):
+    `_functional_collectives.all_to_all_single_autograd`, 2.9-2.14 (the public
+    `torch.distributed.nn.functional.all_to_all_single` is deprecated in its favour)."""
+    fn = _private("torch.distributed._functional_collectives", "all_to_all_single_autograd")
+    if fn is None:
+        raise unsupported("a differentiable all-to-all (expert-parallel token dispatch)")
+    out = fn(t.contiguous(), output_splits, input_splits, group)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+def strided_shard_type() -> type:
+    """torch's placement for a dim sharded twice (FSDP over a TP shard; fused QKV slices):
+    `placement_types._StridedShard`, 2.9-2.14, no public name."""
+    cls = _private("torch.distributed.tensor.placement_types", "_StridedShard")
+    if cls is None:
+        raise unsupported("strided shard placements (_StridedShard)")
+    return cls
+
+
+def fake_store() -> Any:
+    """A store for torch's fake process group (one process stands in for any rank of a large
+    world): `torch.testing._internal.distributed.fake_pg.FakeStore`, 2.9-2.14. Importing it
+    registers the "fake" backend."""
+    cls = _private("torch.testing._internal.distributed.fake_pg", "FakeStore")
+    if cls is None:
+        raise unsupported("planning on a fake process group (smp plan)")
+    return cls()
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.distributed.fsdp (FSDP2) internals
+# ----------------------------------------------------------------------------------------------
+
+
+def fsdp_unit_params(module: Any) -> list[Any] | None:
+    """The FSDPParams of an FSDPModule's own unit (None when it manages no parameters):
+    `_get_fsdp_state()._fsdp_param_group.fsdp_params`, 2.9-2.14."""
+    state = module._get_fsdp_state()
+    group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+    return None if group is None else list(group.fsdp_params)
+
+
+def fsdp_sharded_data(fsdp_param: Any) -> torch.Tensor:
+    """The flat padded shard FSDP allocates for one parameter on this rank:
+    `FSDPParam._sharded_param_data`, 2.9-2.14."""
+    return fsdp_param._sharded_param_data
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint
+# ----------------------------------------------------------------------------------------------
+
+
+def set_element(root: dict, path: tuple, value: Any) -> None:
+    """Write `value` at `path` (keys and list indices) inside a nested state dict, creating the
+    containers on the way, as DCP's loaders do: `checkpoint._traverse.set_element`, 2.9-2.14."""
+    fn = _private("torch.distributed.checkpoint._traverse", "set_element")
+    if fn is None:
+        raise unsupported("loading nested state dict entries (checkpoint._traverse.set_element)")
+    fn(root, path, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers (checked 5.17, 5.23)
+# ----------------------------------------------------------------------------------------------
+
+
+def supports_attention_interface(model_cls: type) -> bool:
+    """True when the model calls attention through transformers' AttentionInterface, so its
+    implementation can be switched: `PreTrainedModel._can_set_attn_implementation`."""
+    fn = getattr(model_cls, "_can_set_attn_implementation", None)
+    if fn is None:
+        raise unsupported("switching a transformers model's attention implementation", "transformers")
+    return fn()
+
+
+def set_config_attention(config: Any, implementation: str) -> None:
+    """Make `config`'s model call `implementation` (a name registered with AttentionInterface).
+    The config's `_attn_implementation` setter; the public `model.set_attn_implementation`
+    also rewrites every sub-config and validates kernels, which this does not want."""
+    config._attn_implementation = implementation
+
+
+def init_weights_function(model: nn.Module) -> Callable[[nn.Module], None]:
+    """The per-module initialiser transformers' `initialize_weights` applies (it marks each
+    module `_is_hf_initialized`): `PreTrainedModel._initialize_weights`."""
+    fn = getattr(model, "_initialize_weights", None)
+    if fn is None:
+        raise unsupported("replaying transformers' weight initialisation (delayed parameter init)", "transformers")
+    return fn
+
+
+def clear_initialized_marks(objects: Iterable[Any]) -> None:
+    """Forget transformers' `_is_hf_initialized` marks on modules and tensors."""
+    for obj in objects:
+        if "_is_hf_initialized" in getattr(obj, "__dict__", {}):
+            del obj._is_hf_initialized
+
+
+def keys_to_ignore_on_load(model: nn.Module) -> tuple[set[str], set[str]]:
+    """(unexpected, missing) key patterns the model class declares harmless on load:
+    `_keys_to_ignore_on_load_unexpected` / `_keys_to_ignore_on_load_missing` (empty when absent)."""
+    unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+    return unexpected, missing
+
+
+def no_split_modules(model: nn.Module) -> list[str]:
+    """Class names of the model's blocks that must not be split: `_no_split_modules` ([] when
+    the model does not say)."""
+    return list(getattr(model, "_no_split_modules", None) or ())
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, Any]:
+    """The model's own tensor-parallel plan, with the head and embedding entries its
+    `config.base_model_tp_plan` lacks: `PreTrainedModel._tp_plan` ({} when absent)."""
+    return dict(getattr(model, "_tp_plan", None) or {})
+
+
+_TRAINER_HOOKS = ("_move_model_to_device", "_track_num_input_tokens")
+
+
+class TrainerHooks:
+    """Mixin for a `transformers.Trainer` subclass: overrides the two private Trainer methods
+    smp must change, forwarding them to public-named methods the subclass defines:
+    `smp_move_model_to_device(model, device)` and `smp_track_num_input_tokens(inputs, track)`
+    (`track(inputs)` runs the Trainer's own count). Call `check_trainer_hooks(cls)` once: an
+    override of a method the installed Trainer no longer calls would be silently ignored."""
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        self.smp_move_model_to_device(model, device)  # type: ignore[attr-defined]
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        self.smp_track_num_input_tokens(inputs, super()._track_num_input_tokens)  # type: ignore[attr-defined,misc]
+
+
+def check_trainer_hooks(trainer_cls: type) -> None:
+    """Raise UnsupportedVersionError when the installed Trainer lacks a method TrainerHooks
+    overrides (checked on transformers 5.17, 5.23)."""
+    import transformers
+
+    for name in _TRAINER_HOOKS:
+        if not callable(getattr(transformers.Trainer, name, None)):
+            raise unsupported(f"smp's Trainer integration ({trainer_cls.__name__} overrides Trainer.{name})",
+                              "transformers")
+
+
+# ----------------------------------------------------------------------------------------------
+# accelerate (checked 1.15)
+# ----------------------------------------------------------------------------------------------
+
+
+def is_prepared(obj: Any) -> bool:
+    """True when accelerate's `prepare` already handled `obj` (`_is_accelerate_prepared`)."""
+    return bool(getattr(obj, "_is_accelerate_prepared", False))
+
+
+def mark_prepared(obj: Any) -> None:
+    """Make accelerate's `prepare` hand `obj` back as it is (`_is_accelerate_prepared`)."""
+    obj._is_accelerate_prepared = True
+
+
+def track_dataloader(accelerator: Any, data_loader: Any) -> None:
+    """Register a data loader the way `Accelerator.prepare_data_loader` does, so that
+    `free_memory()` drops it: append to `Accelerator._dataloaders`."""
+    loaders = getattr(accelerator, "_dataloaders", None)
+    if not isinstance(loaders, list):
+        raise unsupported("preparing data loaders sharded over the data-parallel ranks", "accelerate")
+    loaders.append(data_loader)
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers: checkpoint key conversion (checked 5.23)
+# ----------------------------------------------------------------------------------------------
+
+
+def checkpoint_key_converter(model: nn.Module) -> Callable[[str, Any], tuple[str, bool]] | None:
+    """The function `from_pretrained` renames `model`'s checkpoint keys with, as
+    `convert(key, model_keys) -> (model key, needs a tensor conversion)`; None when transformers
+    has no conversion for this model. Built from `conversion_mapping.get_model_conversion_mapping`
+    (the transforms of the model and each nested PreTrainedModel, scoped to its prefix, plus the
+    legacy renames) and `core_model_loading.rename_source_key` (renames, then at most one
+    converter, then the base-model prefix added or stripped), both module-level names without a
+    leading underscore but outside transformers' documented API. `model` must be the plain
+    PreTrainedModel (not FSDP-wrapped: the lookup is by class name and module path)."""
+    mapping = _private("transformers.conversion_mapping", "get_model_conversion_mapping")
+    rename = _private("transformers.core_model_loading", "rename_source_key")
+    renaming = _private("transformers.core_model_loading", "WeightRenaming")
+    converter = _private("transformers.core_model_loading", "WeightConverter")
+    if None in (mapping, rename, renaming, converter):
+        raise unsupported("loading Hugging Face checkpoints through transformers' key conversion", "transformers")
+    conversions = mapping(model) or []
+    renamings = [c for c in conversions if isinstance(c, renaming)]
+    converters = [c for c in conversions if isinstance(c, converter)]
+    if not conversions:
+        return None
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def convert(key: str, model_keys: Any) -> tuple[str, bool]:
+        renamed, source_pattern = rename(key, renamings, converters, prefix, model_keys)
+        return renamed, source_pattern is not None
+
+    return convert
