@@ -144,3 +144,76 @@ def rank0_weights(*, load_from_rank0: bool, others_meta: bool) -> float | None:
         return max((full[k] - v).abs().max().item() for k, v in original.items())
     finally:
         smp.shutdown()
+
+
+# --- context parallel on inputs the script cut itself (SMP v2's layout) -------------------------
+
+CP_SEQ, CP_ROWS, CP_STEPS = 16, 2, 3
+
+
+def smp_v2_cp_cut(t: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """SMP v2 scripts' own cut (written here from the layout's description): the sequence in
+    2 x cp chunks, rank i keeps chunks i and 2cp-1-i."""
+    if cp_size == 1:
+        return t
+    chunks = t.view(t.shape[0], 2 * cp_size, t.shape[1] // (2 * cp_size))
+    return chunks[:, [cp_rank, 2 * cp_size - 1 - cp_rank]].reshape(t.shape[0], -1)
+
+
+def cp_rows(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, 256, (CP_ROWS, CP_SEQ), generator=g)
+
+
+def cp_reference_losses() -> list[float]:
+    """One process, whole sequences: the model's own positions and label shift."""
+    from smp.testing.models import tiny_llama
+
+    torch.manual_seed(1234)
+    model = tiny_llama(attn_implementation="sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(CP_STEPS):
+        ids = cp_rows(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def cp_precut_losses(*, config: dict, position_handling: bool = True, via_sagemaker: bool = True) -> dict:
+    """SMP v2-style loop: tsm.init, tsm.transform, the script's own cp cut, model(input_ids,
+    attention_mask=None, labels); losses averaged over ranks. `position_handling=False` switches
+    smp's completion of positions and label shift off (the negative control)."""
+    import smp.sagemaker as tsm
+    from smp.context_parallel import hf
+    from smp.testing.models import tiny_llama
+
+    saved = hf.complete_inputs
+    if not position_handling:
+        hf.complete_inputs = lambda name, inputs, args, kwargs: kwargs
+    with _environment(SM_HP_MP_PARAMETERS=None, SMP_CONFIG=None):
+        tsm.init(config)
+    try:
+        torch.manual_seed(1234)
+        model = tiny_llama(attn_implementation="sdpa")
+        model = tsm.transform(model) if via_sagemaker else smp.transform(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for step in range(CP_STEPS):
+            ids = smp_v2_cp_cut(cp_rows(step), tsm.state.cp_size, tsm.state.cp_rank)
+            loss = model(input_ids=ids, attention_mask=None, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / dist.get_world_size())
+        return {"losses": losses}
+    except smp.Error as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        hf.complete_inputs = saved
+        smp.shutdown()

@@ -216,3 +216,34 @@ def test_differences_are_warned_once(clean_env):
             smp.shutdown()
     messages = [str(w.message) for w in caught if w.category is tsm.SMPv2DifferenceWarning]
     assert len(messages) == 1 and "remove the script's offload_wrapper" in messages[0]
+
+
+# --- context parallel on the script's own batch cut -------------------------------------------
+
+CP2 = {"context_parallel_degree": 2, "sm_activation_offloading": False}
+
+
+def test_cp_on_inputs_cut_the_smp_v2_way_trains_like_one_process(ranks):
+    """SMP v2 scripts cut each sequence for their cp rank themselves; smp computes positions and
+    the label shift as if the sequence were whole: per-step losses equal one process (1e-5)."""
+    reference = cases.cp_reference_losses()
+    results = ranks(2).run(cases.cp_precut_losses, config=CP2)
+    for r in results:
+        assert "error" not in r, r
+        assert max(abs(a - b) for a, b in zip(r["losses"], reference)) <= TOL, (r["losses"], reference)
+
+
+def test_cp_comparison_catches_local_positions(ranks):
+    """Negative control: with smp's position / label-shift completion switched off (local rotary
+    positions, labels shifted inside each chunk) the losses move past the tolerance."""
+    reference = cases.cp_reference_losses()
+    r = ranks(2).run(cases.cp_precut_losses, config=CP2, position_handling=False)[0]
+    assert max(abs(a - b) for a, b in zip(r["losses"], reference)) > 100 * TOL, (r, reference)
+
+
+def test_cp_refuses_inputs_whose_layout_smp_cannot_know(ranks):
+    """Through smp's own transform the layout of cut inputs is unknown: refused on every rank,
+    naming shard_batch."""
+    for r in ranks(2).run(cases.cp_precut_losses, config=CP2, via_sagemaker=False):
+        assert "position_ids / shift_labels" in r.get("error", ""), r
+        assert "smp.context_parallel.shard_batch" in r["error"]

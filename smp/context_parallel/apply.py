@@ -37,6 +37,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
         algorithm=algorithm, load_balance=load_balance,
     )
     activate(setup)
+    if hf.is_hf_model(model):
+        hf.guard_inputs(model, setup)  # every forward says where its tokens sit (hf.py)
     _require_attention_calls(model, setup)
     skipped = hf.LOSS_INPUTS if hf.is_hf_model(model) else ()
     return AttentionProbe(setup=setup, stand_ins=meta_stand_ins(model), skipped_inputs=skipped)

@@ -9,12 +9,16 @@ key padding travels with its key/value block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from smp.context_parallel.attention import attention
+from smp._compat import set_config_attention, supports_attention_interface
+from smp.context_parallel.attention import ContextParallelSetup, attention
+from smp.context_parallel.sharding import IGNORE_INDEX, chunk_positions, shift_labels
 from smp.errors import ConfigError, UsageError
 
 IMPLEMENTATION = "smp_cp"
@@ -41,7 +45,7 @@ def check_hf_model(model: nn.Module) -> None:
     """Raise ConfigError naming the cause when the model's attention cannot be replaced, or not
     exactly (before any collective)."""
     name = type(model).__name__
-    if not type(model)._can_set_attn_implementation():
+    if not supports_attention_interface(type(model)):
         raise ConfigError(
             f"context_parallel_degree > 1: {name} does not call its attention through "
             f"transformers' attention interface, so smp cannot replace it with context parallel "
@@ -72,7 +76,7 @@ def register() -> None:
 
 def use_context_parallel_attention(model: nn.Module) -> None:
     register()
-    model.config._attn_implementation = IMPLEMENTATION
+    set_config_attention(model.config, IMPLEMENTATION)
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None,
@@ -100,3 +104,110 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     out = attention(query, key, value, causal=causal, scale=scaling, sliding_window=sliding_window,
                     key_padding_mask=attention_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+# --- The inputs of each forward: which tokens of the sequence this rank holds ----------------
+#
+# Under context parallel a rank's input_ids are 1/cp of each sequence. The model's own defaults
+# (position_ids = arange(local length), labels shifted inside the local tokens) would then train
+# on another objective without a sign. So every forward of a Hugging Face model must say where
+# its tokens sit in the whole sequence, in one of two ways:
+# - `smp.context_parallel.shard_batch` output: global position_ids and pre-shifted shift_labels;
+# - the SMP v2 layout (`accept_precut_inputs`, set by smp.sagemaker.transform): each sequence was
+#   cut by the script into 2 x cp chunks, rank i keeping chunks i and 2cp-1-i (SMP v2's
+#   `get_batch_for_cp_rank`). smp knows that layout, so it computes the global positions and
+#   the label shift as if the sequence were whole (the labels are gathered over the cp group).
+# Anything else is refused before the forward runs: smp never guesses a layout from shapes.
+
+SHARD_BATCH_FIX = (
+    "cut whole sequences with smp.context_parallel.shard_batch(batch) and call model(**batch) "
+    "(docs/context-parallel.md)"
+)
+
+
+@dataclass
+class ForwardInputs:
+    setup: ContextParallelSetup
+    precut: bool = False  # inputs arrive cut in SMP v2's load-balanced layout
+
+
+def guard_inputs(model: nn.Module, setup: ContextParallelSetup) -> ForwardInputs:
+    """Check (or, for the SMP v2 layout, complete) every forward's inputs; see above."""
+    inputs = ForwardInputs(setup=setup)
+    model._smp_cp_inputs = inputs  # read by accept_precut_inputs
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, complete_inputs(type(module).__name__, inputs, args, kwargs)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return inputs
+
+
+def accept_precut_inputs(model: nn.Module) -> None:
+    """The SMP v2 path: this model's inputs come cut in SMP v2's layout (2 x cp chunks, rank i
+    holds chunks i and 2cp-1-i), which is smp's load-balanced layout."""
+    inputs = getattr(model, "_smp_cp_inputs", None)
+    if inputs is None:
+        return  # context parallel is off, or not a Hugging Face model
+    if not inputs.setup.load_balance:
+        raise ConfigError(
+            "context_parallel.load_balance: false, but SMP v2 scripts cut each sequence into "
+            "2 x context_parallel_degree chunks (rank i keeps chunks i and 2cp-1-i), the load-"
+            "balanced layout; set context_parallel: {load_balance: true}"
+        )
+    inputs.precut = True
+
+
+def complete_inputs(model_name: str, inputs: ForwardInputs, args: tuple, kwargs: dict) -> dict:
+    """The forward's keyword arguments with global positions and whole-sequence label shift."""
+    setup = inputs.setup
+    if setup.probing:
+        return kwargs
+    if len(args) > 1:
+        raise UsageError(
+            f"context_parallel_degree={setup.size}: pass {model_name}'s inputs by keyword "
+            f"(input_ids=..., labels=...), so that smp can see which ones are positional"
+        )
+    ids = args[0] if args else kwargs.get("input_ids")
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    has_positions = kwargs.get("position_ids") is not None
+    labels = kwargs.get("labels")
+    unshifted = labels is not None and kwargs.get("shift_labels") is None
+    if not inputs.precut:
+        missing = (["position_ids"] if not has_positions else []) + (["shift_labels"] if unshifted else [])
+        if missing:
+            raise UsageError(
+                f"context_parallel_degree={setup.size}: {model_name}'s forward got no "
+                f"{' / '.join(missing)}, so smp cannot know which tokens of each sequence this rank "
+                f"holds (its own defaults would use local positions and shift labels inside the "
+                f"chunk: another objective); {SHARD_BATCH_FIX}"
+            )
+        return kwargs
+    if ids is None:
+        return kwargs
+    local = ids.shape[1]
+    seq_len = local * setup.size
+    index = chunk_positions(seq_len, setup.size, setup.rank, load_balance=True, device=ids.device)
+    out = dict(kwargs)
+    if not has_positions:
+        out["position_ids"] = index.expand(ids.shape[0], local)
+    if unshifted:
+        targets = shift_labels(_whole_sequences(labels, setup, seq_len))
+        local_targets = targets.index_select(1, index)
+        out["labels"] = out["shift_labels"] = local_targets
+        if out.get("num_items_in_batch") is None:
+            # each cp rank's loss is its token sum over 1/cp of the rows' targets: the average
+            # over the cp ranks (FSDP's gradient mean) is the mean over the whole rows
+            out["num_items_in_batch"] = (targets != IGNORE_INDEX).sum() / setup.size
+    return out
+
+
+def _whole_sequences(local: torch.Tensor, setup: ContextParallelSetup, seq_len: int) -> torch.Tensor:
+    """The whole (B, seq_len) rows from every cp rank's chunks (SMP v2's layout)."""
+    parts = [torch.empty_like(local) for _ in range(setup.size)]
+    dist.all_gather(parts, local.contiguous(), group=setup.group)
+    whole = local.new_empty(local.shape[0], seq_len)
+    for rank, part in enumerate(parts):
+        whole[:, chunk_positions(seq_len, setup.size, rank, load_balance=True, device=local.device)] = part
+    return whole

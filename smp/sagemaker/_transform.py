@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 import smp
 from smp.config import ConfigError
+from smp.context_parallel.hf import accept_precut_inputs
 from smp.sagemaker._guide import MigrationError, not_supported, section
 from smp.sharding import has_meta_tensors
 from smp.transform import transform as smp_transform
@@ -53,11 +54,15 @@ def transform(
     if dtype is not None:
         model.to(dtype)
     if not load_state_dict_from_rank0:
-        return smp_transform(model)
-    full_state = _take_rank0_weights(model)
-    smp_transform(model)  # every rank materialises alike (meta everywhere), then rank 0's weights win
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full_state, options=options)
+        model = smp_transform(model)
+    else:
+        full_state = _take_rank0_weights(model)
+        smp_transform(model)  # every rank materialises alike (meta everywhere), then rank 0's weights win
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full_state, options=options)
+    # SMP v2 scripts cut each sequence for their cp rank themselves (2 x cp chunks, rank i keeps
+    # chunks i and 2cp-1-i): smp completes positions and label shift from that layout.
+    accept_precut_inputs(model)
     return model
 
 
