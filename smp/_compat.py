@@ -250,23 +250,35 @@ def group_timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.ti
 
 
 def flatten_mesh(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
-    """`mesh[dims]` flattened into one dimension called `name` (registered on the root mesh, so
-    `root[name]` finds it): `DeviceMesh._flatten`, 2.9-2.14, no public name.
+    """`mesh[dims]` flattened into one dimension called `name`, registered on the root mesh so
+    that `root[name]` finds it: `DeviceMesh._flatten` (2.9-2.14; torch has no public name).
 
-    Name only dimensions of the root mesh in `dims`: torch 2.9 cannot flatten a slice that
-    contains an already-flattened dimension (`tuple.index(x): x not in tuple`)."""
+    torch 2.9 cannot flatten a slice that holds an already-flattened dimension ("tuple.index(x):
+    x not in tuple"): there the flattened names in `dims` are replaced by the root dimensions
+    they were made of (the same ranks, in the same order), from the mesh registry's
+    `flatten_name_to_root_dims` (2.9 only; 2.11-2.14 flatten such slices themselves)."""
+    import torch.distributed.device_mesh as device_mesh
+
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    flattened = getattr(resources, "flatten_name_to_root_dims", None)
+    if isinstance(flattened, dict):  # torch 2.9
+        root = resources.get_root_mesh(mesh)
+        made_of = flattened.get(root, {})
+        names = root.mesh_dim_names or ()
+        dims = tuple(n for d in dims for n in ((names[i] for i in made_of[d]) if d in made_of else (d,)))
+        mesh = root
     sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
     if not hasattr(sub, "_flatten"):
         raise unsupported("flattening device-mesh dimensions (DeviceMesh._flatten)")
     return sub._flatten(name)
 
 
-def forget_mesh_groups(mesh: Any) -> None:
+def drop_cached_groups(mesh: Any) -> None:
     """Drop the process groups `mesh` caches, once they are destroyed, so that the mesh (which
     outlives shutdown in whatever still references it) does not keep them alive until
-    finalization. torch 2.11-2.14 cache them in the root mesh's `_pg_registry` (a dict); 2.9 and
-    2.10 cache only group names (`_dim_group_names`), which hold nothing alive: nothing to drop.
-    Any other layout raises (a silent skip would leave gloo threads running into finalization)."""
+    finalization. torch 2.11-2.14 cache them in the root mesh's `_pg_registry` (a dict); 2.9
+    caches only group names (`_dim_group_names`), which keep nothing alive: nothing to drop.
+    Any other layout raises: a silent skip would leave gloo threads running into finalization."""
     registry = getattr(mesh, "_pg_registry", None)
     if isinstance(registry, dict):
         registry.clear()
