@@ -4,6 +4,7 @@ called without an active exception`. Prints one JSON line: runs, failures, secon
 each failed run goes to --logs.
 
     python bench/exit_loop.py --runs 100 [--async-save] [--logs DIR]
+    python bench/exit_loop.py --runs 100 --trainer example     # examples/finetune_trainer.py
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.exit_worker import run_torchrun  # noqa: E402
+from tests.exit_worker import run_torchrun, threads_at_exit  # noqa: E402
 
 
 def main() -> None:
@@ -27,13 +28,14 @@ def main() -> None:
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--logs", default=tempfile.gettempdir())
+    ap.add_argument("--trainer", choices=("example", "sft"), help="run a Trainer script instead")
     args = ap.parse_args()
     failures = []
     start = time.monotonic()
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as out_dir:
-            code, text = run_torchrun(out_dir, args.async_save, args.timeout)
-        if code != 0 or "terminate called" in text:
+            code, text = run_torchrun(out_dir, args.async_save, args.timeout, trainer=args.trainer)
+        if code != 0 or "terminate called" in text or threads_at_exit(text) != {0: 0, 1: 0}:
             log = os.path.join(args.logs, f"exit_loop_run{i}.log")
             with open(log, "w") as f:
                 f.write(text)

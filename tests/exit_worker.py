@@ -4,17 +4,25 @@ metrics writer). tests/test_exit.py and bench/exit_loop.py run it many times; ev
 exit 0 on every rank.
 
     torchrun --standalone --nproc-per-node 2 tests/exit_worker.py OUT_DIR [--async-save] [--old-teardown]
+    torchrun --standalone --nproc-per-node 2 tests/exit_worker.py OUT_DIR --trainer example|sft [--old-teardown]
 
 At exit, after every other atexit handler, each rank prints how many gloo native threads are
 still alive ("gloo threads at exit: N"): smp.shutdown must leave none for the interpreter's
 finalization to race with (smp/reliability/teardown.py). --old-teardown turns smp's release of
 the groups off (the shutdown before the fix): the negative control.
+
+--trainer runs a Trainer script instead, in this process: `example` is
+examples/finetune_trainer.py (SMPTrainer, a checkpoint every 2 steps, the final export),
+`sft` is examples/finetune_sft.py (TRL's SFTTrainer through smp_trainer_class). Neither calls
+smp.shutdown; the process group is accelerate's. With --old-teardown the Trainer registers no
+exit handler (smp/reliability/exit.py), as before the fix.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,10 +43,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--old-teardown", action="store_true")
+    ap.add_argument("--trainer", choices=("example", "sft"))
     args = ap.parse_args()
     # Registered before smp.shutdown registers its exit handler, so it runs after it (atexit is
     # LIFO): it sees what the interpreter's finalization will find.
     atexit.register(_report_threads_at_exit)
+    if args.trainer:
+        _run_trainer_script(args.trainer, args.out_dir, args.steps, args.old_teardown)
+        return
     if args.old_teardown:
         for name in ("forget_mesh_groups", "release_unreferenced_groups", "release_at_exit"):
             setattr(smp.runtime, name, lambda *a: None)
@@ -63,19 +75,38 @@ def main() -> None:
     smp.shutdown()
 
 
+def _run_trainer_script(which: str, out_dir: str, steps: int, old_teardown: bool) -> None:
+    import runpy
+
+    import smp.integrations.trainer
+
+    if old_teardown:
+        smp.integrations.trainer.end_run_at_exit = lambda *meshes: None
+    root = Path(__file__).resolve().parents[1]
+    script = root / "examples" / ("finetune_trainer.py" if which == "example" else "finetune_sft.py")
+    sys.argv = [str(script), "--steps", str(steps), "--output-dir", out_dir,
+                *(["--save-steps", "2"] if which == "example" else [])]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+def threads_at_exit(text: str) -> dict[int, int]:
+    """rank -> gloo threads it reported at exit, from a run's output."""
+    return {int(r): int(n) for r, n in re.findall(r"\[exit_worker\] rank (\d+) gloo threads at exit: (\d+)", text)}
+
+
 def _report_threads_at_exit() -> None:
     print(f"[exit_worker] rank {os.environ.get('RANK')} gloo threads at exit: "
           f"{gloo_thread_count()}", flush=True)
 
 
 def run_torchrun(out_dir: str, async_save: bool = False, timeout: float = 300.0,
-                 old_teardown: bool = False) -> tuple[int, str]:
+                 old_teardown: bool = False, trainer: str | None = None) -> tuple[int, str]:
     """Run this script on 2 ranks under torchrun: (torchrun's exit status, its output); -9 when
     it was killed at `timeout`."""
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            __file__, out_dir, *(["--async-save"] if async_save else []),
-           *(["--old-teardown"] if old_teardown else [])]
+           *(["--old-teardown"] if old_teardown else []), *(["--trainer", trainer] if trainer else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     env.pop("SMP_CONFIG", None)
     try:

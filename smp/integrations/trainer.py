@@ -41,6 +41,7 @@ from smp.integrations.data import gather_for_metrics_by_dp, prepare_data_loader_
 from smp.integrations.mapping import map_training_arguments
 from smp.integrations.peft import is_peft_model, save_adapter
 from smp.integrations.saving import export_hf_folder
+from smp.reliability.exit import end_run_at_exit
 from smp.transform import apply_parallelism
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class SMPTrainerMixin:
         _report_mapped(mapped)
         check_training_arguments(self.args, self._smp_config, is_peft=is_peft_model(self.model), has_model_init=False)
         smp.init(self._smp_config)  # a no-op when smp.init already ran with this config
+        # accelerate made the process group (TrainingArguments did), so smp.shutdown would leave
+        # it and its gloo threads to interpreter finalization, which can abort a finished run.
+        end_run_at_exit(smp.state.mesh, smp.state.dp_mesh)
         if self.model is not None:
             self.model = self._smp_transform(self.model)
         super().create_accelerator_and_postprocess()
