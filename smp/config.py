@@ -203,6 +203,72 @@ class MoEConfig(_Strict):
         return value
 
 
+# torch.distributed.pipelining's schedules by smp's lower-case names (docs/pipeline-parallel.md).
+PIPELINE_SCHEDULES = (
+    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev",
+)
+# SMP v1's `pipeline: simple | interleaved`: simple ran every micro-batch's forward, then every
+# backward (GPipe); interleaved started each backward as soon as it could (1F1B on one stage per
+# rank; not the virtual-stage "interleaved 1F1B").
+PIPELINE_SCHEDULE_ALIASES = {"simple": "gpipe", "interleaved": "1f1b"}
+# Schedules that run one stage per rank, and the V schedules that run exactly two (stage r and
+# 2p-1-r on rank r); the others loop stages r, r+p, r+2p, ... over the ranks.
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+# Schedules that split each backward into input- and weight-gradient halves (torch refuses them
+# under torch.compile).
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+
+
+class PipelineConfig(_Strict):
+    """How the `pipeline_parallel_degree` stages run (the `pipeline:` section; a string is short
+    for `{schedule: ...}`, SMP v1's `pipeline: interleaved`)."""
+
+    schedule: Literal[PIPELINE_SCHEDULES] = "1f1b"  # type: ignore[valid-type]
+    # Micro-batches per step (SMP v1's key). More shrinks the bubble ((p-1)/(m+p-1) for gpipe and
+    # 1f1b) but makes each micro-batch smaller; gpipe holds all m micro-batches' activations, 1f1b
+    # at most p. None: one per stage (the fewest every schedule accepts).
+    microbatches: int | None = Field(default=None, ge=1)
+    # Stages each rank holds (virtual stages). None: 1 for gpipe / 1f1b, 2 for the others.
+    stages_per_rank: int | None = Field(default=None, ge=1)
+    # auto: contiguous decoder layers per stage, balanced by parameter count (the embedding on
+    # the first stage, the final norm and head on the last). A list: the index of the first layer
+    # of every stage after the first ([2] puts layers 0-1 on stage 0, the rest on stage 1).
+    split: Union[Literal["auto"], list[int]] = "auto"
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _schedule_alias(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.lower()
+            if value not in PIPELINE_SCHEDULES and value not in PIPELINE_SCHEDULE_ALIASES:
+                close = difflib.get_close_matches(value, PIPELINE_SCHEDULES, n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"unknown pipeline schedule {value!r}{hint} (one of {', '.join(PIPELINE_SCHEDULES)}, "
+                    f"or SMP v1's 'simple' / 'interleaved')"
+                )
+            return PIPELINE_SCHEDULE_ALIASES.get(value, value)
+        return value
+
+    @field_validator("split")
+    @classmethod
+    def _split_increasing(cls, value: Any) -> Any:
+        if isinstance(value, list) and (
+            any(i < 1 for i in value) or any(b <= a for a, b in zip(value, value[1:]))
+        ):
+            raise ValueError(
+                f"pipeline.split lists the first layer of each stage after the first: increasing "
+                f"indices >= 1, e.g. [2] or [4, 8, 12]"
+            )
+        return value
+
+    def local_stages(self) -> int:
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2
+
+
 class SMPConfig(_Strict):
     # --- parallel degrees (SMP v2 keys) ---
     # 0: shard over all data-parallel ranks; 1: replicate (no sharding);
@@ -211,6 +277,9 @@ class SMPConfig(_Strict):
     tensor_parallel_degree: int = Field(default=1, ge=1)
     context_parallel_degree: int = Field(default=1, ge=1)
     expert_parallel_degree: int = Field(default=1, ge=1)
+    # Pipeline stages (SMP v1's key): the outermost mesh axis, each stage a contiguous slice of
+    # the model's layers (docs/pipeline-parallel.md).
+    pipeline_parallel_degree: int = Field(default=1, ge=1)
 
     # --- activations (SMP v2 keys) ---
     sm_activation_offloading: bool = Field(default=False, alias="activation_offloading")
@@ -249,6 +318,7 @@ class SMPConfig(_Strict):
     gradient_sync: GradientSyncConfig = GradientSyncConfig()
     compile: CompileConfig = CompileConfig()
     moe: MoEConfig = MoEConfig()
+    pipeline: PipelineConfig = PipelineConfig()
 
     # --- runtime ---
     backend: Literal["nccl", "gloo"] | None = None
@@ -278,6 +348,11 @@ class SMPConfig(_Strict):
         # `compile: true` turns it on with the default backend; the object form picks one.
         return {"enabled": value} if isinstance(value, bool) else value
 
+    @field_validator("pipeline", mode="before")
+    @classmethod
+    def _pipeline_from_string(cls, value: Any) -> Any:
+        return {"schedule": value} if isinstance(value, str) else value
+
     @field_validator("reshard_after_forward", mode="before")
     @classmethod
     def _reshard_value(cls, value: Any) -> Any:
@@ -296,8 +371,79 @@ class SMPConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _pipeline_composes(self) -> "SMPConfig":
+        pp, pipe = self.pipeline_parallel_degree, self.pipeline
+        if pp == 1:
+            return self
+        check_pipeline(pipe, pp)
+        others = {
+            "tensor_parallel_degree": self.tensor_parallel_degree,
+            "context_parallel_degree": self.context_parallel_degree,
+            "expert_parallel_degree": self.expert_parallel_degree,
+        }
+        for key, value in others.items():
+            if value > 1:
+                raise ValueError(
+                    f"pipeline_parallel_degree={pp} with {key}={value} is not built yet (smp composes "
+                    f"pipeline stages with FSDP / HSDP only so far); set {key}: 1 or "
+                    f"pipeline_parallel_degree: 1"
+                )
+        if self.compile.enabled and pipe.schedule in SPLIT_BACKWARD_SCHEDULES:
+            raise ValueError(
+                f"pipeline.schedule {pipe.schedule!r} splits each backward into input and weight halves, "
+                f"which torch does not support under torch.compile; set compile: false or pick "
+                f"gpipe / 1f1b / interleaved_1f1b / looped_bfs"
+            )
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def check_pipeline(pipe: PipelineConfig, pp: int, batch_size: int | None = None) -> None:
+    """Raise ValueError naming the degrees when `pipe` cannot run over `pp` ranks (and, when
+    known, a batch of `batch_size` rows). The same rules torch's schedules enforce, said first."""
+    local = pipe.local_stages()
+    stages = pp * local
+    m = pipe.microbatches if pipe.microbatches is not None else stages
+    where = (
+        f"(pipeline_parallel_degree={pp}, pipeline.schedule={pipe.schedule!r}, "
+        f"pipeline.stages_per_rank={local}, pipeline.microbatches={m})"
+    )
+    if pipe.schedule in SINGLE_STAGE_SCHEDULES and local != 1:
+        raise ValueError(
+            f"pipeline.schedule {pipe.schedule!r} runs one stage per rank {where}; set stages_per_rank: 1 "
+            f"or pick interleaved_1f1b / looped_bfs / interleaved_zero_bubble for virtual stages"
+        )
+    if pipe.schedule in V_SCHEDULES and local != 2:
+        raise ValueError(
+            f"pipeline.schedule {pipe.schedule!r} runs a V of exactly 2 stages per rank {where}; set "
+            f"stages_per_rank: 2"
+        )
+    if pipe.schedule in ("1f1b", "dualpipev") and m < stages:
+        raise ValueError(
+            f"pipeline.schedule {pipe.schedule!r} needs at least one micro-batch per stage: microbatches={m} "
+            f"< {stages} stages {where}; set microbatches >= {stages}"
+        )
+    if pipe.schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            raise ValueError(
+                f"pipeline.schedule {pipe.schedule!r} runs micro-batches in rounds of "
+                f"pipeline_parallel_degree: microbatches={m} must be a multiple of {rounds} = "
+                f"max(1, microbatches // {pp}) {where}; e.g. microbatches: {rounds * pp}"
+            )
+    if isinstance(pipe.split, list) and len(pipe.split) != stages - 1:
+        raise ValueError(
+            f"pipeline.split lists {len(pipe.split)} stage boundaries, but {stages} stages need "
+            f"{stages - 1} {where}"
+        )
+    if batch_size is not None and batch_size % m:
+        raise ValueError(
+            f"pipeline.microbatches={m} does not divide the batch of {batch_size} rows {where}: every "
+            f"micro-batch must hold the same number of rows; pick a batch size that is a multiple of {m}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

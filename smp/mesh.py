@@ -16,6 +16,12 @@ mesh is dp_replicate x dp_shard_mod_ep x ep x tp, and "dp_shard" is the flattene
 (dp_shard_mod_ep, ep), so non-expert parameters are FSDP-sharded over every data-parallel rank
 as before while expert parameters (split over "ep") are FSDP-sharded over what is left
 (`expert_fsdp_mesh`). ep is innermost in dp_shard: the all-to-alls stay on adjacent ranks.
+
+Pipeline parallel (pp > 1) adds a "pp" axis outermost (torchtitan's order): world = pp x
+dp_replicate x dp_shard x cp x tp. Only activations cross it, once per micro-batch and stage
+boundary, so it is the axis that best tolerates the slowest links (between nodes). Every other
+axis is sliced within one stage: mesh["dp_shard"] on a rank is its stage's FSDP group. With pp = 1
+the mesh has no "pp" axis, as before.
 """
 
 from __future__ import annotations
@@ -38,19 +44,30 @@ class ParallelDims:
     world_size: int
     cp: int = 1
     ep: int = 1
+    pp: int = 1
 
     @classmethod
     def from_config(cls, config: SMPConfig, world_size: int) -> "ParallelDims":
         tp = config.tensor_parallel_degree
         hybrid = config.hybrid_shard_degree
+        pp = config.pipeline_parallel_degree
         degrees = (
-            f"tensor_parallel_degree={tp}, hybrid_shard_degree={hybrid}, "
+            (f"pipeline_parallel_degree={pp}, " if pp > 1 else "")
+            + f"tensor_parallel_degree={tp}, hybrid_shard_degree={hybrid}, "
             f"context_parallel_degree={config.context_parallel_degree}, "
             f"expert_parallel_degree={config.expert_parallel_degree}, world_size={world_size}"
         )
+        if world_size % pp:
+            raise ConfigError(
+                f"pipeline_parallel_degree={pp} does not divide the world size {world_size} ({degrees}); "
+                f"world = pp x dp_replicate x dp_shard x cp x tp: choose a pipeline_parallel_degree "
+                f"that divides {world_size}"
+            )
+        full_world, world_size = world_size, world_size // pp  # the other axes live inside a stage
+        ranks = f"the world size {world_size}" if pp == 1 else f"the {world_size} ranks of each pipeline stage"
         if world_size % tp:
             raise ConfigError(
-                f"tensor_parallel_degree={tp} does not divide the world size {world_size} "
+                f"tensor_parallel_degree={tp} does not divide {ranks} "
                 f"({degrees}); choose a tensor_parallel_degree that divides {world_size}"
             )
         dp = world_size // tp
@@ -86,7 +103,7 @@ class ParallelDims:
                 f"({degrees}); expert-parallel ranks come out of the sharded data-parallel ranks: "
                 f"choose an expert_parallel_degree that divides {dp_shard}"
             )
-        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size, cp=cp, ep=ep)
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=full_world, cp=cp, ep=ep, pp=pp)
 
     @property
     def dp(self) -> int:
@@ -94,23 +111,26 @@ class ParallelDims:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
+        pp = ("pp",) if self.pp > 1 else ()
         if self.ep > 1:
-            return ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
-        return MESH_DIM_NAMES if self.cp == 1 else ("dp_replicate", "dp_shard", "cp", "tp")
+            return pp + ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+        return pp + (MESH_DIM_NAMES if self.cp == 1 else ("dp_replicate", "dp_shard", "cp", "tp"))
 
     @property
     def shape(self) -> tuple[int, ...]:
+        pp = (self.pp,) if self.pp > 1 else ()
         if self.ep > 1:
-            return (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            return pp + (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
         if self.cp == 1:
-            return (self.dp_replicate, self.dp_shard, self.tp)
-        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+            return pp + (self.dp_replicate, self.dp_shard, self.tp)
+        return pp + (self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def describe(self) -> str:
+        pp = f"pp {self.pp} x " if self.pp > 1 else ""
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
         ep = f" (of which ep {self.ep})" if self.ep > 1 else ""
         return (
-            f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard "
+            f"world {self.world_size} = {pp}dp_replicate {self.dp_replicate} x dp_shard "
             f"{self.dp_shard}{ep}{cp} x tp {self.tp}"
         )
 
