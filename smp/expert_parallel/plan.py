@@ -6,10 +6,10 @@ vocabulary of transformers' `base_model_ep_plan`:
 - "ep_dispatch_experts" on an experts module: its tokens travel to the ranks of their experts;
 - "grouped_gemm" on one of its parameters: a [num_experts, ...] tensor split on dim 0.
 
-In order of preference: the config's `moe.plan` (or `smp.transform(..., moe_config=...)`), the
-model's own transformers plan (`config.base_model_ep_plan`: Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, ...), smp's table by `model_type`. An experts module must follow the contract in
-docs/expert-parallel.md: parameters [num_experts, ...] and
+In order of preference (smp/plans.py): the config's `moe.plan` (or `smp.transform(...,
+moe_config=...)`), the model's own transformers plan (`config.base_model_ep_plan`: Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, ...), smp's table by `model_type`. An experts module must follow
+the contract in docs/expert-parallel.md: parameters [num_experts, ...] and
 `forward(hidden [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])` that
 returns [tokens, hidden] = sum over k of weight x expert(hidden), reading only its own
 parameters, so that it also computes correctly on a slice of its experts.
@@ -18,11 +18,11 @@ parameters, so that it also computes correctly on a slice of its experts.
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass
 
 from torch import nn
 
+from smp import plans
 from smp.errors import ConfigError
 
 DISPATCH, GROUPED = "ep_dispatch_experts", "grouped_gemm"
@@ -45,40 +45,23 @@ class ExpertsModule:
     param_names: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class EPPlan:
-    source: str  # where the plan came from, for messages
-    entries: dict[str, str]
-
-
-def _base_prefix(model: nn.Module) -> str:
-    """'model.' for MixtralForCausalLM (its base model is `model.model`), '' for a base model."""
-    base = getattr(model, "base_model", model)
-    return next((name + "." for name, child in model.named_children() if child is base and base is not model), "")
+# source, entries (pattern -> style); `strict` unused: the config's plan is checked by `expand_ep_plan`.
+EPPlan = plans.Plan
 
 
 def resolve_ep_plan(model: nn.Module, config_plan: dict[str, str] | None) -> EPPlan:
     """The plan for `model`, by the precedence in the module docstring."""
-    if config_plan:
-        return EPPlan("moe.plan in the config", dict(config_plan))
-    hf_config = getattr(model, "config", None)
-    own = getattr(hf_config, "base_model_ep_plan", None)
-    if own:
-        return EPPlan(f"{type(model).__name__}'s own transformers plan",
-                      {_base_prefix(model) + k: v for k, v in own.items()})
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type in SMP_TABLES:
-        return EPPlan(f"smp's table for model_type '{model_type}'",
-                      {_base_prefix(model) + k: v for k, v in SMP_TABLES[model_type].items()})
-    return EPPlan(f"none ({type(model).__name__} ships no base_model_ep_plan)", {})
-
-
-def _pattern(p: str) -> re.Pattern[str]:
-    return re.compile("".join("[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", p)))
+    name = type(model).__name__
+    found = plans.first_plan([
+        EPPlan("moe.plan in the config", dict(config_plan or {})),
+        EPPlan(f"{name}'s own transformers plan", plans.own_plan(model, "base_model_ep_plan")),
+        EPPlan(f"smp's table for model_type '{plans.model_type(model)}'", plans.table_plan(model, SMP_TABLES)),
+    ])
+    return found or EPPlan(f"none ({name} ships no base_model_ep_plan)", {})
 
 
 def _matches(entries: dict[str, str], style: str, name: str) -> bool:
-    return any(s == style and _pattern(p).fullmatch(name) for p, s in entries.items())
+    return any(s == style and plans.matches(p, name) for p, s in entries.items())
 
 
 def _forward_args(module: nn.Module) -> list[str]:
