@@ -1,7 +1,8 @@
 """Tensor parallelism: plans as data, applied with torch.distributed.tensor.parallel.
 
 `apply_tensor_parallel` (called by `smp.transform`) is the one entry point; `tp_plan.py` says
-where a model's plan comes from, `styles.py` what each style name does, `loss.py` how to
+where a model's plan comes from and what it names, `rules.py` what it implies beyond its entries,
+`registry.py` each style name's facts and the `styles.py` class it builds, `loss.py` how to
 compute a causal-LM loss on vocab-sharded logits. Only `loss_parallel()` here reads smp's run.
 """
 
@@ -12,7 +13,7 @@ import contextlib
 from smp import runtime
 from smp.tensor_parallel.apply import apply_tensor_parallel
 from smp.tensor_parallel.loss import causal_lm_loss, loss_parallel_if
-from smp.tensor_parallel.styles import STYLE_NAMES
+from smp.tensor_parallel.registry import STYLE_NAMES
 from smp.tensor_parallel.tp_plan import SMP_TABLES, resolve_plan
 
 __all__ = ["SMP_TABLES", "STYLE_NAMES", "apply_tensor_parallel", "causal_lm_loss", "loss_parallel", "resolve_plan"]

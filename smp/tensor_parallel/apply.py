@@ -6,19 +6,20 @@ import ast
 import copy
 import inspect
 import textwrap
-from dataclasses import replace
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 from smp.errors import ConfigError, PlanError
+from smp.tensor_parallel import registry as reg
 from smp.tensor_parallel.loss import use_vocab_parallel_loss
-from smp.tensor_parallel.moe import MoeExperts
-from smp.tensor_parallel.styles import LocalParams, MlaKvAProj, Options, is_conv1d, make_style
-from smp.tensor_parallel.tp_plan import StyleSpec, expand_plan, resolve_plan
+from smp.tensor_parallel.registry import Options, build_style, text_config
+from smp.tensor_parallel.rules import expand_plan
+from smp.tensor_parallel.styles import is_conv1d
+from smp.tensor_parallel.tp_plan import Matched, StyleSpec, resolve_plan
 
 # Names of per-head sizes: never divided, even when their value equals a head count.
 _PER_HEAD = ("dim", "size", "group")
@@ -32,7 +33,8 @@ def apply_tensor_parallel(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
 ) -> nn.Module:
-    """Split `model`'s layers over `tp_mesh` by its plan (see tp_plan.py for where plans come from).
+    """Split `model`'s layers over `tp_mesh` by its plan: tp_plan.py says where it comes from and
+    what it names, rules.py what it implies, registry.py which ParallelStyle each name builds.
 
     `plan` (smp.transform's `tp_plan`) overrides `config_plan` (the config's
     `tensor_parallel.plan`), which overrides the model's own. Runs before FSDP: parameters
@@ -52,19 +54,9 @@ def apply_tensor_parallel(
         applied[a.name] = a.style if isinstance(a.style, str) else type(a.style).__name__
         if a.why:
             applied[a.name] += f" ({a.why})"
-        if a.style == "replicate":  # declared whole on every rank, gradient whole too: nothing to do
+        style = build_style(a, opts, model)
+        if style is None:  # declared whole on every rank, gradient whole too: nothing to do
             continue
-        if isinstance(a.style, ParallelStyle):
-            style = a.style
-        elif a.style == "moe_tp_experts":
-            style = MoeExperts(a.param_styles, a.name)
-        elif a.style == "local_params":
-            style = LocalParams(tuple(a.param_styles))
-        elif a.style == "mla_kv_a_proj":
-            style = MlaKvAProj(_mla_rope_dim(model, a.name, a.module))
-        else:
-            local_opts = opts if a.sequence_parallel else replace(opts, sequence_parallel=False)
-            style = make_style(a.style, a.module, local_opts, a.is_head)
         parallelize_module(a.module, tp_mesh, style)
     _retie(ties)
     if loss_parallel:
@@ -75,31 +67,9 @@ def apply_tensor_parallel(
     return model
 
 
-def _text_config(model: nn.Module) -> Any:
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
-    return cfg
-
-
-def _mla_rope_dim(model: nn.Module, name: str, module: nn.Module) -> int:
-    """The rotary key width at the end of an `mla_kv_a_proj` layer's output (the config's
-    `qk_rope_head_dim`, as transformers reads it)."""
-    rope_dim = getattr(_text_config(model), "qk_rope_head_dim", None)
-    width = getattr(module, "out_features", 0)
-    if not isinstance(module, nn.Linear) or not isinstance(rope_dim, int) or not 0 < rope_dim < width:
-        raise ConfigError(
-            f"tensor-parallel plan: {name!r} has style 'mla_kv_a_proj', which needs an nn.Linear whose "
-            "output ends with the rotary key slice and a model config with `qk_rope_head_dim` smaller "
-            f"than that output (got {type(module).__name__}, out_features={width or None}, "
-            f"qk_rope_head_dim={rope_dim}); use it on MLA's `kv_a_proj_with_mqa`, or remove the entry"
-        )
-    return rope_dim
-
-
 def check_head_counts(model: nn.Module, tp: int) -> None:
     """Each rank must hold whole attention heads and whole key/value (GQA) groups."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     if cfg is None:
         return
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
@@ -119,7 +89,7 @@ def check_head_counts(model: nn.Module, tp: int) -> None:
 
 def _head_counts(model: nn.Module) -> set[int]:
     """The config's head counts (num_attention_heads, num_key_value_heads, n_head, ...)."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     if cfg is None:
         return set()
     return {v for k, v in vars(cfg).items() if _is_count(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0}
@@ -130,16 +100,15 @@ def _is_count(name: str) -> bool:
     return "head" in name and not any(w in name for w in _PER_HEAD)
 
 
-def _split_widths(expanded: Any) -> dict[str, set[int]]:
+def _split_widths(expanded: Matched) -> dict[str, set[int]]:
     """Region name -> the full output widths its split projections produce (each packed part
     counted alone): an attribute holding one of them holds a width TP divides."""
-    parts = {"packed_colwise": 2, "packed_qkv_colwise": 3}
     widths: dict[str, set[int]] = {}
     for a in expanded.assignments:
         parent = a.name.rpartition(".")[0]
-        if parent in expanded.regions and isinstance(a.style, str) and a.style in ("colwise", *parts):
+        if parent in expanded.regions and reg.fact(a.style, "opens_region"):
             out = a.module.weight.shape[1] if is_conv1d(a.module) else a.module.weight.shape[0]
-            widths.setdefault(parent, set()).add(out // parts.get(a.style, 1))
+            widths.setdefault(parent, set()).add(out // reg.STYLES[a.style].packed_parts)
     return widths
 
 

@@ -1,4 +1,5 @@
-"""Named tensor-parallel styles: a plan's strings turned into DTensor `ParallelStyle` objects.
+"""Tensor-parallel styles: the DTensor `ParallelStyle` classes behind a plan's style names
+(registry.py maps each name to its class and its facts).
 
 The names are transformers' (`colwise`, `rowwise`, `colwise_gather_output`, `embedding_rowwise`,
 `packed_colwise`, ...) so a model's shipped `_tp_plan` is read as is. Most map straight onto
@@ -21,7 +22,6 @@ the full sequence); with loss parallel the LM head leaves its logits vocab-shard
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Iterator
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 SEQ_DIM = 1  # (batch, seq, hidden) everywhere in smp's supported models
@@ -426,88 +426,3 @@ class MlaKvAProj(ParallelStyle):
 
         module.register_forward_hook(sum_rope_grad)
         return module
-
-
-@dataclass(frozen=True)
-class Options:
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-
-
-# transformers 5.23's style vocabulary (`ALL_PARALLEL_STYLES`) plus smp's own: every name a
-# plan may hold is either here (applied) or in REFUSED_STYLES (an error saying what to do).
-STYLE_NAMES = (
-    "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
-    "embedding_rowwise", "embedding_colwise", "packed_colwise", "packed_qkv_colwise", "packed_rowwise",
-    "sequence_parallel", "replicated_with_grad_allreduce", "replicate", "moe_tp_experts",
-    "gather_sequence", "region_entry", "replicate_to_sequence", "lm_head", "whole_sequence",
-    "replicate_params", "mla_kv_a_proj", "local_params",
-)
-# Styles smp reads on parameter entries: expert weights under a module styled `moe_tp_experts`
-# (all four), per-head parameters under one styled `local_params` ('colwise' only, tp_plan.py).
-EXPERT_PARAM_STYLES = ("packed_colwise", "colwise", "rowwise", "packed_rowwise")
-_NO_EP = ("expert parallelism (whole experts per rank); smp has none. Leave the model's own "
-          "`base_model_tp_plan` (its 'moe_tp_experts' entries split every expert over the TP ranks), "
-          "or remove the entry")
-REFUSED_STYLES: dict[str, str] = {
-    "grouped_gemm": _NO_EP,
-    "ep_dispatch_experts": _NO_EP,
-    "moe_identity_expert": ("zero (identity) experts; smp does not split them. Remove the model's "
-                            "'moe_tp_experts' entries to keep the experts replicated"),
-    "all_reduce": ("sums a module's partial output, which needs parameter entries smp does not "
-                   "split outside 'moe_tp_experts'. Remove the entry and those it pairs with"),
-}
-
-
-def make_style(name: str, module: nn.Module, opts: Options, is_head: bool = False) -> ParallelStyle:
-    """The ParallelStyle for a plan entry `name` on `module`, given the TP options.
-
-    Under sequence parallel, layers that close a region (`rowwise`, the vocab-parallel
-    embedding) leave a Shard(1) DTensor, and layers that open one accept it.
-    """
-    sp = opts.sequence_parallel
-    seq_in = Shard(SEQ_DIM) if sp else Replicate()
-    conv = is_conv1d(module)
-    Col = Conv1DColwise if conv else ColwiseParallel
-    Row = Conv1DRowwise if conv else RowwiseParallel
-    if name == "colwise":
-        return Col()  # input arrives replicated (a region's entry gathers it under SP)
-    if name == "rowwise":
-        return Row(output_layouts=seq_in, use_local_output=False) if sp else OwnedOutput(Row())
-    if name in ("colwise_rep", "colwise_gather_output", "lm_head"):
-        if name == "lm_head" or is_head:
-            # The LM head sits after the final norm: under SP its input is sequence-sharded.
-            if opts.loss_parallel:
-                return Col(input_layouts=seq_in, output_layouts=Shard(-1), use_local_output=False)
-            return Col(input_layouts=seq_in, output_layouts=Replicate())
-        return Col(output_layouts=Replicate())
-    if name in ("rowwise_rep", "rowwise_split_input"):
-        # Closes a gathered region (Phi-3, OLMo2): a full input, split here; under SP the output
-        # rejoins the sequence-sharded stream.
-        if sp:
-            return Row(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=False)
-        return OwnedOutput(Row(input_layouts=Replicate()))
-    if name == "embedding_rowwise":  # vocab-parallel embedding
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=not sp)
-    if name == "embedding_colwise":
-        return ColwiseParallel(input_layouts=Replicate(), output_layouts=seq_in, use_local_output=not sp)
-    if name == "packed_colwise":
-        return PackedColwise(2)
-    if name == "packed_qkv_colwise":
-        return PackedColwise(3)
-    if name == "sequence_parallel":
-        return SequenceParallel(sequence_dim=SEQ_DIM)
-    if name == "gather_sequence":
-        return RegionEntry(Shard(SEQ_DIM))
-    if name == "region_entry":
-        return RegionEntry(Replicate())
-    if name == "replicate_to_sequence":
-        return ReplicateToSequence()
-    if name == "replicated_with_grad_allreduce":
-        return ReplicatedPartialGrad()
-    if name == "whole_sequence":
-        return WholeSequence(SEQ_DIM)
-    if name == "replicate_params":
-        return ReplicateParams()
-    raise KeyError(name)
-
