@@ -2,7 +2,7 @@
 
 from smp import checkpointing  # smp.checkpointing.save / load / latest / export_hf / load_hf
 from smp.config import SMPConfig, load_config
-from smp.errors import CheckpointError, ConfigError, Error
+from smp.errors import CheckpointError, ConfigError, Error, SMPWarning
 from smp.reliability import NonFiniteGradientError, PeerFailure, check_finite_grads, step_guard
 from smp.runtime import init, is_initialized, session, shutdown, state
 from smp.sharding.gradient_sync import gradient_sync_bytes  # bytes sent per rank (smp_collectives)
@@ -18,6 +18,7 @@ __all__ = [
     "NonFiniteGradientError",
     "PeerFailure",
     "SMPConfig",
+    "SMPWarning",
     "check_finite_grads",
     "checkpointing",
     "clip_grad_norm_",

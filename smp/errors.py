@@ -39,3 +39,8 @@ class UnsupportedVersionError(Error, RuntimeError):
     """A feature the installed torch / transformers / accelerate cannot provide. Raised when the
     feature is used (never at `import smp`); the message names the feature, the installed
     version and the version it needs."""
+
+
+class SMPWarning(UserWarning):
+    """Base class of the warnings smp gives on purpose. Every smp warning is one, so a job or a
+    test suite can turn them all into errors (`-W error::smp.errors.SMPWarning`)."""

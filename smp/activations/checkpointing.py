@@ -13,7 +13,7 @@ selective checkpointing's recompute and breaks its op-for-op replay.)
 from __future__ import annotations
 
 import functools
-import warnings
+import logging
 from typing import Sequence
 
 import torch
@@ -22,6 +22,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from smp.activations.ops import op_matcher
 from smp.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 MODES = ("none", "full", "selective")
 
@@ -116,11 +118,10 @@ def _disable_kv_cache(model: nn.Module) -> None:
         if getattr(config, "use_cache", False):
             config.use_cache = False
             switched.append(type(config).__name__)
-    if switched:
-        warnings.warn(
-            f"smp: activation checkpointing sets use_cache = False in {', '.join(sorted(set(switched)))} "
-            "(a KV cache is for generation, and recompute would append to it twice)",
-            stacklevel=3,
+    if switched:  # expected whenever checkpointing meets an HF model (docs/activation-memory.md): not a warning
+        log.info(
+            "activation checkpointing sets use_cache = False in %s (a KV cache is for generation, and "
+            "recompute would append to it twice)", ", ".join(sorted(set(switched))),
         )
 
 

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from smp.context_parallel.attention import ContextParallelSetup
-from smp.errors import UsageError
+from smp.errors import SMPWarning, UsageError
 from smp.meta_ops import shape_only_grouped_mm
 
 FIX = "compute attention with smp.context_parallel.attention(q, k, v, causal=True)"
@@ -111,7 +111,7 @@ def install_attention_probe(model: nn.Module, probe: AttentionProbe) -> None:
                 f"context parallel: smp could not check {_class_name(module)}'s attention on the meta "
                 f"device before the first forward ({e}); it checks this first forward as it runs "
                 f"(F.scaled_dot_product_attention outside smp's attention) and that every forward calls "
-                f"smp.context_parallel.attention", stacklevel=2,
+                f"smp.context_parallel.attention", SMPWarning, stacklevel=2,
             )
             _watch_this_forward(module, setup.size)
             return

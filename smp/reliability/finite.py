@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from smp.errors import Error
+from smp.errors import Error, SMPWarning
 
 logger = logging.getLogger("smp.reliability")
 
@@ -40,7 +40,7 @@ class NonFiniteGradientError(Error, FloatingPointError):
         self.modules = modules
 
 
-class NonFiniteGradientWarning(UserWarning):
+class NonFiniteGradientWarning(SMPWarning):
     pass
 
 

@@ -14,11 +14,12 @@ from torch.distributed.fsdp import FSDPModule
 
 import smp
 from smp.config import ConfigSource, SMPConfig
+from smp.errors import SMPWarning
 from smp.mesh import ParallelDims
 from smp.sagemaker._guide import MigrationError, section
 
 
-class SMPv2DifferenceWarning(UserWarning):
+class SMPv2DifferenceWarning(SMPWarning):
     """An SMP v2 config key whose value means something else in smp (filter it once read)."""
 
 

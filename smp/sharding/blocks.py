@@ -8,6 +8,7 @@ import warnings
 from torch import nn
 
 from smp.config import ConfigError
+from smp.errors import SMPWarning
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def _without_shared_parameters(
             "unit with them, not in a unit of its own"
         )
         if named_by_user:
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, SMPWarning, stacklevel=3)
         else:
             log.info(message)
     return [b for index, b in enumerate(blocks) if index not in dropped]

@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import traceback
+import warnings
 from typing import Any, Callable
 
 
@@ -57,15 +58,39 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, sys_path: list[str
         msg = conn.recv()
         if msg is None:
             break
-        module_name, fn_name, args, kwargs = msg
+        module_name, fn_name, args, kwargs, filters = msg
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
-            conn.send(("ok", fn(*args, **kwargs)))
+            with warnings.catch_warnings():
+                _apply_filters(filters)
+                result = fn(*args, **kwargs)
+            conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             conn.send(("error", traceback.format_exc()))
             _reset_smp()
     dist.barrier()  # gloo may abort at exit without it (docs/platform.md)
     dist.destroy_process_group()
+
+
+def _filter_specs() -> list[tuple]:
+    """The caller's warning filters (pytest's `filterwarnings` included) as plain values, so that
+    a case runs on the ranks under the filters it would run under in the calling process: a
+    warning the suite turns into an error fails a multi-rank case too."""
+    def text(pattern: Any) -> str:  # compiled, a plain string (some filters hold one), or None
+        return "" if pattern is None else getattr(pattern, "pattern", pattern)
+
+    return [(action, text(message), category.__module__, category.__qualname__, text(module), lineno)
+            for action, message, category, module, lineno in warnings.filters]
+
+
+def _apply_filters(specs: list[tuple]) -> None:
+    warnings.resetwarnings()
+    for action, message, cat_module, cat_name, module, lineno in reversed(specs):  # filters[0] wins
+        try:
+            category = getattr(importlib.import_module(cat_module), cat_name)
+        except (ImportError, AttributeError):  # a category this process cannot import: skip it
+            continue
+        warnings.filterwarnings(action, message, category, module, lineno, append=False)
 
 
 def _reset_smp() -> None:
@@ -136,7 +161,7 @@ class RankPool:
             self.close()
         if not self._procs:
             self._start()
-        msg = (fn.__module__, fn.__name__, args, kwargs)
+        msg = (fn.__module__, fn.__name__, args, kwargs, _filter_specs())
         for conn in self._conns:
             conn.send(msg)
         return self._collect(timeout, f"{fn.__module__}.{fn.__name__}")
