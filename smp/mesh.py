@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from smp._compat import flatten_mesh
 from smp.config import ConfigError, SMPConfig
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
@@ -139,10 +140,10 @@ class ParallelDims:
         With cp > 1 also the flattened FSDP axis "dp_shard_cp" (see `fsdp_mesh`)."""
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.mesh_dim_names)
         if self.ep > 1:
-            mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
-        dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+            flatten_mesh(mesh, ("dp_shard_mod_ep", "ep"), "dp_shard")
+        dp_mesh = flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
         if self.cp > 1:
-            mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+            flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         return mesh, dp_mesh
 
 

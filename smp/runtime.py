@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from smp._compat import flatten_mesh
 from smp.config import ConfigError, ConfigSource, SMPConfig, load_config
 from smp.mesh import ParallelDims, default_backend, device_type_for
 from smp.reliability.guard import stop_watchdog
@@ -133,7 +134,7 @@ class _State:
         inner = tuple(n for n in names if n != "dp_replicate" and self.mesh[n].size() > 1) or ("dp_shard",)
         if len(inner) == 1:
             return self.mesh[inner[0]].get_group()
-        return self.mesh[inner]._flatten("_".join(inner)).get_group()
+        return flatten_mesh(self.mesh, inner, "_".join(inner)).get_group()
 
     @cached_property
     def ranker(self) -> Any:

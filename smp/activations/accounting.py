@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from smp._compat import TorchDispatchMode, dtensor_local, op_name, tree_leaves
 
 
 @dataclass
@@ -81,8 +80,7 @@ class SavedActivationMeter(TorchDispatchMode):
         return out
 
     def _record(self, t: torch.Tensor) -> None:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
+        t = dtensor_local(t)
         try:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
@@ -121,8 +119,7 @@ def parameter_ptrs(model: nn.Module) -> set[int]:
         for t in (p, p.grad):
             if t is None:
                 continue
-            if isinstance(t, DTensor):
-                t = t._local_tensor
+            t = dtensor_local(t)
             ptrs.add(t.untyped_storage().data_ptr())
     return ptrs
 
@@ -135,6 +132,5 @@ class OpCounter(TorchDispatchMode):
         self.counts: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = func.overloadpacket
-        self.counts[f"{packet._qualified_op_name.replace('::', '.')}"] += 1
+        self.counts[op_name(func).replace("::", ".")] += 1
         return func(*args, **(kwargs or {}))

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
 
+from smp._compat import dtensor_from_spec, dtensor_local, dtensor_spec, in_backward, tree_leaves, version_counter
 from smp.errors import ConfigError
 
 
@@ -136,7 +135,7 @@ class ActivationOffloader:
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, index: int, module: nn.Module, args) -> None:
-        if _in_backward():  # checkpoint's recompute: its own hooks own the saved tensors
+        if in_backward():  # checkpoint's recompute: its own hooks own the saved tensors
             return
         self._param_ptrs = {_storage_ptr(p) for p in module.parameters()}
         self._dedup = {}
@@ -167,7 +166,7 @@ class ActivationOffloader:
         if isinstance(tensor, nn.Parameter) or _storage_ptr(tensor) in self._param_ptrs:
             return _Kept(tensor)  # parameters (and views of them) are not activations
         nbytes = tensor.numel() * tensor.element_size()
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        local = dtensor_local(tensor)
         keep = (
             type(local) is not torch.Tensor  # other subclasses (fp8, ...) keep their own rules
             or nbytes < self.min_bytes
@@ -179,7 +178,7 @@ class ActivationOffloader:
             packed = _Kept(tensor)
         else:
             self.stats.offloaded_bytes[index] += nbytes
-            spec = tensor._spec if isinstance(tensor, DTensor) else None
+            spec = dtensor_spec(tensor)
             packed = self._to_host(index, local, spec)
             self._outstanding[index].add(packed)
         self._dedup[key] = (packed, tensor)
@@ -262,7 +261,7 @@ class ActivationOffloader:
             if not self._outstanding[handle.layer]:
                 self._resident.discard(handle.layer)
         if handle.spec is not None:
-            return DTensor(tensor, handle.spec, requires_grad=False)
+            return dtensor_from_spec(tensor, handle.spec, requires_grad=False)
         return tensor
 
     def _cuda_streams(self):
@@ -279,14 +278,8 @@ def _release(counter: list[int], nbytes: int) -> None:
     counter[0] -= nbytes
 
 
-def _in_backward() -> bool:
-    # A forward that runs while the autograd engine runs is checkpoint's recompute.
-    return torch._C._current_graph_task_id() != -1
-
-
 def _storage_ptr(t: torch.Tensor) -> int:
-    if isinstance(t, DTensor):
-        t = t._local_tensor
+    t = dtensor_local(t)
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
@@ -296,9 +289,9 @@ def _storage_ptr(t: torch.Tensor) -> int:
 def _tensor_key(t: torch.Tensor) -> tuple:
     """Equal for two views with the same storage, offset, shape and strides: F.linear on a 3-D
     input saves a fresh 2-D view per call, so q, k and v projections save three of them."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = dtensor_local(t)
     try:
         return (_storage_ptr(local), local.storage_offset(), tuple(local.shape), tuple(local.stride()),
-                local.dtype, local._version, id(type(t)))
+                local.dtype, version_counter(local), id(type(t)))
     except (RuntimeError, NotImplementedError):  # no storage: the object itself (held while keyed)
         return ("object", id(t))

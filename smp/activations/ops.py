@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from smp._compat import OpOverload, OpOverloadPacket
 
-def resolve_op(name: str) -> torch._ops.OpOverloadPacket | torch._ops.OpOverload:
+
+def resolve_op(name: str) -> OpOverloadPacket | OpOverload:
     """`"aten.mm"` -> torch.ops.aten.mm (every overload); `"aten.mm.default"` -> that overload.
 
     Raises ValueError naming the op when it does not exist in this torch build.
@@ -29,9 +31,9 @@ def op_matcher(names: list[str]):
     overloads, packets = set(), set()
     for name in names:
         op = resolve_op(name)
-        (overloads if isinstance(op, torch._ops.OpOverload) else packets).add(op)
+        (overloads if isinstance(op, OpOverload) else packets).add(op)
 
-    def matches(op: torch._ops.OpOverload) -> bool:
+    def matches(op: OpOverload) -> bool:
         return op in overloads or getattr(op, "overloadpacket", None) in packets
 
     return matches

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from smp._compat import set_element
 from smp.checkpointing.digest import unsafe_path
 
 DCP_METADATA_FILE = ".metadata"

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -40,25 +39,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map_only
 
+from smp._compat import SDPA_FUNCTIONS, TorchDispatchMode, op_name, tree_leaves, tree_map_only, without_hooks
 from smp.context_parallel.attention import ContextParallelSetup
 from smp.errors import SMPWarning, UsageError
 from smp.meta_ops import shape_only_grouped_mm
 
 FIX = "compute attention with smp.context_parallel.attention(q, k, v, causal=True)"
 
-_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _MATMULS = {"aten::bmm", "aten::baddbmm"}  # what q @ k^T and einsum become on (B, H, L, D)
 _SOFTMAXES = {"aten::_softmax", "aten::_safe_softmax", "aten::_log_softmax", "aten::softmax", "aten::log_softmax"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
-# Module attributes that make a call more than `forward`: hooks (FSDP, tensor parallel, smp's
-# own) and torch.compile's replacement of the call.
-_HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks",
-)
 
 
 class ProbeAborted(Exception):
@@ -202,21 +193,13 @@ def _class_name(module: nn.Module) -> str:
 @contextlib.contextmanager
 def _bare_modules(model: nn.Module, names: dict[int, str], stack: list[str]) -> Iterator[None]:
     """Every module of `model` without its hooks and compiled call (restored after), with two
-    hooks of ours instead that keep `stack` = the modules being called, innermost last."""
-    saved = {}
-    for module in model.modules():
-        saved[module] = {attr: getattr(module, attr) for attr in _HOOK_DICTS}
-        saved[module]["_compiled_call_impl"] = getattr(module, "_compiled_call_impl", None)
-        for attr in _HOOK_DICTS:
-            setattr(module, attr, OrderedDict())
-        module._compiled_call_impl = None
-    _track_modules(list(model.modules()), names, stack)
-    try:
+    hooks of ours instead that keep `stack` = the modules being called, innermost last.
+    Hooks (FSDP's, tensor parallel's, smp's own) and torch.compile's replacement of the call
+    would make a call more than `forward`."""
+    modules = list(model.modules())
+    with without_hooks(modules):
+        _track_modules(modules, names, stack)
         yield
-    finally:
-        for module, attrs in saved.items():
-            for attr, value in attrs.items():
-                setattr(module, attr, value)
 
 
 def _track_modules(modules: list[nn.Module], names: dict[int, str], stack: list[str]) -> list:
@@ -272,7 +255,7 @@ class _FunctionWatch(TorchFunctionMode):
         self.watch = watch
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in _SDPA:
+        if func in SDPA_FUNCTIONS:
             self.watch.flag(None, "F.scaled_dot_product_attention")
         return func(*args, **(kwargs or {}))
 
@@ -283,7 +266,7 @@ class _OperatorWatch(TorchDispatchMode):
         self.watch = watch
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = func._schema.name  # "namespace::op"
+        name = op_name(func)  # "namespace::op"
         if name.split("::")[0] in _COLLECTIVE_NAMESPACES:
             raise ProbeAborted(f"its forward runs the collective {name}")
         out = func(*args, **(kwargs or {}))

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from smp._compat import add_parameter_slot, own_parameters
 from smp.expert_parallel.dispatch import DispatchStats, dispatch
 from smp.expert_parallel.plan import EPPlan, ExpertsModule, expand_ep_plan
 from smp.sharding.fsdp import offload_policy
@@ -36,10 +37,10 @@ def apply_expert_parallel(
     for spec in experts:
         per_rank = spec.num_experts // degree
         for name in spec.param_names:
-            full = spec.module._parameters[name]
+            full = own_parameters(spec.module)[name]
             local = full.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
-            spec.module._parameters[name] = nn.Parameter(sharded, requires_grad=full.requires_grad)
+            add_parameter_slot(spec.module, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         # An instance attribute: nn.Module.__call__ (and FSDP's hooks around it) call it.
         spec.module.__dict__["forward"] = ExpertParallelForward(
             spec.module, spec.param_names, spec.num_experts, ep_mesh, capacity_factor
@@ -93,18 +94,19 @@ def _local_experts(module: nn.Module, names: tuple[str, ...], per_rank: int, gra
     """The module's experts parameters replaced by this rank's slice (plain tensors, still in
     the autograd graph, gradient scaled by `grad_scale`), and its `num_experts` by the slice's
     count, for one forward."""
-    saved = {name: module._parameters[name] for name in names}
+    slots = own_parameters(module)
+    saved = {name: slots[name] for name in names}
     had_count = "num_experts" in module.__dict__
     count = module.__dict__.get("num_experts")
     try:
         for name, param in saved.items():
             local = param.to_local() if isinstance(param, DTensor) else param
-            module._parameters[name] = _ScaleGradient.apply(local, grad_scale)
+            slots[name] = _ScaleGradient.apply(local, grad_scale)
         if had_count:
             module.__dict__["num_experts"] = per_rank
         yield
     finally:
-        module._parameters.update(saved)
+        slots.update(saved)
         if had_count:
             module.__dict__["num_experts"] = count
 

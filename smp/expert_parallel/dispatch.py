@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from smp._compat import all_to_all_autograd
 
 # (hidden [n, h], local expert index [n, 1], weights [n, 1]) -> [n, h]: the experts module's
 # own forward on this rank's slice of experts.
@@ -35,8 +36,7 @@ class DispatchStats:
 
 
 def _exchange(t: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    out = all_to_all_single_autograd(t.contiguous(), output_splits, input_splits, group)
-    return out.wait() if hasattr(out, "wait") else out  # an AsyncCollectiveTensor until used
+    return all_to_all_autograd(t, output_splits, input_splits, group)
 
 
 def _capacity_keep(expert_sorted: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

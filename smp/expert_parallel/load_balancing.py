@@ -29,8 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single_autograd
 
+from smp._compat import all_gather_autograd
 from smp.errors import ConfigError
 
 # While a transformed model's forward runs: the group its router statistics are summed over, or
@@ -44,9 +44,7 @@ _STANDARD_ARGS = ["gate_logits", "num_experts", "top_k", "attention_mask"]
 
 def _summed(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum over `group`, differentiable (all-gather; its backward reduce-scatters the gradient)."""
-    gathered = all_gather_single_autograd(t.unsqueeze(0), gather_dim=0, group=group)
-    gathered = gathered.wait() if hasattr(gathered, "wait") else gathered
-    return gathered.sum(0)
+    return all_gather_autograd(t.unsqueeze(0), gather_dim=0, group=group).sum(0)
 
 
 def global_load_balancing_loss(

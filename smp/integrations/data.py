@@ -24,13 +24,15 @@ from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import recursively_apply
 from torch.utils.data import DataLoader
 
+from smp._compat import is_prepared, track_dataloader
+
 
 def prepare_data_loader_by_dp(
     accelerator: Accelerator, data_loader: DataLoader, dp_rank: int, dp_size: int, device_placement: bool | None = None
 ) -> DataLoader:
     """`accelerator.prepare_data_loader`, sharded over `dp_size` data-parallel ranks (this one is
     `dp_rank`) instead of over every process."""
-    if getattr(data_loader, "_is_accelerate_prepared", False):
+    if is_prepared(data_loader):
         return data_loader
     if device_placement is None:
         device_placement = accelerator.device_placement
@@ -51,7 +53,7 @@ def prepare_data_loader_by_dp(
         use_stateful_dataloader=accelerator.use_stateful_dataloader,
         torch_device_mesh=None,  # the shard numbers above already account for the mesh
     )
-    accelerator._dataloaders.append(prepared)  # as Accelerator.prepare_data_loader does: free_memory() drops it
+    track_dataloader(accelerator, prepared)  # as Accelerator.prepare_data_loader does: free_memory() drops it
     return prepared
 
 

@@ -34,6 +34,7 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import smp
+from smp._compat import check_trainer_overrides, mark_prepared, trainer_batch_size
 from smp.checkpointing import rng
 from smp.config import ConfigSource, SMPConfig, load_config
 from smp.integrations.checks import check_training_arguments
@@ -76,6 +77,7 @@ class SMPTrainerMixin:
     the config smp.init already ran with)."""
 
     def __init__(self, *args: Any, smp_config: ConfigSource = None, **kwargs: Any):
+        check_trainer_overrides()  # the Trainer methods overridden below still exist
         self._smp_config = _resolve_config(smp_config)
         # Mapped or refused before any collective: the Trainer's own setup may run some (dataset
         # preparation under main_process_first, accelerate's state).
@@ -139,7 +141,7 @@ class SMPTrainerMixin:
             model = apply_parallelism(model, self._smp_model_config, st.dims, st.mesh, st.device)
         # accelerate's guard against wrapping twice: prepare() hands the model back as it is
         # (no DDP around the DTensor parameters, no autocast; smp's policy casts).
-        model._is_accelerate_prepared = True
+        mark_prepared(model)
         return model
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
@@ -171,7 +173,7 @@ class SMPTrainerMixin:
     def train(self, *args: Any, **kwargs: Any):
         st = smp.state
         if st.rank == 0:
-            per_device, accumulation = self._train_batch_size, self.args.gradient_accumulation_steps
+            per_device, accumulation = trainer_batch_size(self), self.args.gradient_accumulation_steps
             print(
                 f"smp: {st.dims.describe()}; global batch = {per_device} per device x {accumulation} accumulation "
                 f"x {st.dp_size} data-parallel = {per_device * accumulation * st.dp_size} sequences per step",

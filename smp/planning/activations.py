@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from smp._compat import view_base
 from smp.config import SMPConfig
 from smp.meta_ops import shape_only_grouped_mm
 
@@ -61,7 +62,8 @@ def saved_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, blo
     seen_ids: set[int] = set()
 
     def pack(t: torch.Tensor) -> Any:
-        base = t._base if t._base is not None else t
+        base = view_base(t)
+        base = t if base is None else base
         if id(base) in param_ids or id(base) in seen_ids:
             return t
         seen_ids.add(id(base))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from smp._compat import fsdp_sharded_data
 from smp.config import SMPConfig
 from smp.mesh import ParallelDims
 from smp.planning.memory import dtype_bytes, fsdp_units
@@ -26,8 +27,8 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
         r = getattr(params[0].mesh_info, "replicate_mesh_size", 1)
         if r == 1 and dims.dp_replicate > 1:  # replicas synced by smp's all-reduce hook
             r = dims.dp_replicate
-        elems = sum(fp._sharded_param_data.numel() for fp in params) * n  # unsharded, padded
-        orig = params[0]._sharded_param_data.dtype
+        elems = sum(fsdp_sharded_data(fp).numel() for fp in params) * n  # unsharded, padded
+        orig = fsdp_sharded_data(params[0]).dtype
         p_bytes = dtype_bytes(mp.param_dtype, orig)
         g_bytes = dtype_bytes(mp.reduce_dtype, orig)
         # Forward gathers every unit; backward gathers again those resharded after forward

@@ -10,6 +10,7 @@ import math
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from smp._compat import fsdp_sharded_data, own_parameters
 from smp.config import SMPConfig
 from smp.errors import ConfigError
 from smp.expert_parallel import ExpertsModule, expand_ep_plan, resolve_ep_plan
@@ -39,7 +40,7 @@ def expert_account(model: nn.Module, experts: list[ExpertsModule], ep: int, top_
     if not experts:
         return {}
     placed = {  # parameter -> (bytes FSDP allocates on this rank, ranks its unit shards over)
-        id(fp.sharded_param): (fp._sharded_param_data.numel() * fp._sharded_param_data.element_size(),
+        id(fp.sharded_param): (fsdp_sharded_data(fp).numel() * fsdp_sharded_data(fp).element_size(),
                                fp.mesh_info.shard_mesh_size)
         for _, params in fsdp_units(model) for fp in params
     }
@@ -47,7 +48,7 @@ def expert_account(model: nn.Module, experts: list[ExpertsModule], ep: int, top_
     shard_size = 1
     for spec in experts:
         for name in spec.param_names:
-            param = spec.module._parameters[name]
+            param = own_parameters(spec.module)[name]
             total += param.numel()
             # The ep rank owns E / ep whole experts of every [E, ...] parameter.
             ep_slice += spec.num_experts // ep * math.prod(param.shape[1:])

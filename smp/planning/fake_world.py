@@ -11,14 +11,13 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from smp._compat import fake_store
 from smp.config import ConfigError
 
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """This process as `rank` of a world of `world_size`, over torch's fake process group."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError(
             "smp plan needs a process without a process group (it joins a fake one of the planned "
@@ -26,7 +25,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         )
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside a world of {world_size}")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp._compat import fsdp_sharded_data, fsdp_unit_params
 from smp.config import canonical_dtype
 
 GiB = 1024**3
@@ -39,9 +40,9 @@ def fsdp_units(model: nn.Module) -> list[tuple[nn.Module, list[Any]]]:
     units = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                units.append((module, list(group.fsdp_params)))
+            params = fsdp_unit_params(module)
+            if params is not None:
+                units.append((module, params))
     return units
 
 
@@ -51,8 +52,9 @@ def sharded_bytes(model: nn.Module) -> dict[str, int]:
     padded = local = count = 0
     for _, params in fsdp_units(model):
         for fp in params:
-            elem = fp._sharded_param_data.element_size()
-            padded += fp._sharded_param_data.numel() * elem
+            data = fsdp_sharded_data(fp)
+            elem = data.element_size()
+            padded += data.numel() * elem
             local += math.prod(fp.sharded_size) * elem
             count += 1
     return {"padded": padded, "local": local, "count": count}
@@ -75,7 +77,7 @@ def transient_bytes(model: nn.Module, param_bytes: int, grad_bytes: int) -> int:
     """
     root = block = 0  # unsharded (padded) elements of the root unit and of the largest block
     for module, params in fsdp_units(model):
-        elems = sum(fp._sharded_param_data.numel() for fp in params) * params[0].mesh_info.shard_mesh_size
+        elems = sum(fsdp_sharded_data(fp).numel() for fp in params) * params[0].mesh_info.shard_mesh_size
         if module is model:
             root = elems
         else:

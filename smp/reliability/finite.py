@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
 
+from smp._compat import tree_leaves
 from smp.errors import Error, SMPWarning
 
 logger = logging.getLogger("smp.reliability")

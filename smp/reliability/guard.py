@@ -34,6 +34,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from smp._compat import default_store
 from smp.errors import CheckpointError, ConfigError, PeerFailure, PlanError
 from smp.reliability.census import answer_census, local_pid, process_state, publish_process, take_census
 from smp.reliability.finite import NonFiniteGradientError
@@ -296,7 +297,7 @@ def _ensure_watchdog() -> None:
     _WATCH.generation += 1
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"smp/reliability/{restart}/{_WATCH.generation}/"
-    _WATCH.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    _WATCH.store = dist.PrefixStore(prefix, default_store())
     publish_process(_WATCH.store, dist.get_rank())  # lets a census tell frozen from dead
     _WATCH.pg_id = id(pg)
     _WATCH.handling = False

@@ -30,6 +30,8 @@ from typing import Iterable
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from smp._compat import drop_cached_groups
+
 # Thread names (Linux `comm`) of gloo's native threads: a group's workers and its transport loop.
 GLOO_THREAD_NAMES = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -43,14 +45,11 @@ def barrier_each(groups: Iterable[dist.ProcessGroup]) -> None:
 
 
 def forget_mesh_groups(meshes: Iterable[DeviceMesh]) -> None:
-    """Drop the process groups a DeviceMesh caches (torch 2.13 keeps them in the root mesh's
-    private `_pg_registry`, for torch.compile tracing), once they are destroyed: the mesh
-    outlives shutdown in whatever still references it, and would keep them alive until
-    finalization."""
+    """Drop the process groups a DeviceMesh caches (torch 2.11+ keeps them in the root mesh, for
+    torch.compile tracing), once they are destroyed: the mesh outlives shutdown in whatever
+    still references it, and would keep them alive until finalization."""
     for mesh in meshes:
-        registry = getattr(mesh, "_pg_registry", None)
-        if isinstance(registry, dict):
-            registry.clear()
+        drop_cached_groups(mesh)
 
 
 def release_unreferenced_groups() -> None:

@@ -18,6 +18,8 @@ import datetime
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from smp._compat import group_timeout, set_group_timeout
+
 # Long enough for ranks started minutes apart by a cluster scheduler to meet.
 RENDEZVOUS_TIMEOUT_SECONDS = 300.0
 
@@ -35,7 +37,7 @@ def apply_collective_timeout(
     keeps the timeout they chose. Returns the groups changed.
     """
     timeout = datetime.timedelta(seconds=seconds)
-    default = dist.distributed_c10d._get_default_group()
+    default = dist.group.WORLD
     groups: dict[int, dist.ProcessGroup] = {}
     if include_default:
         groups[id(default)] = default
@@ -45,7 +47,7 @@ def apply_collective_timeout(
             if group is not default:
                 groups[id(group)] = group
     for group in groups.values():
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        set_group_timeout(group, timeout)
     return list(groups.values())
 
 
@@ -54,8 +56,7 @@ def group_timeouts(mesh: DeviceMesh) -> dict[str, float]:
     out = {}
     for dim, name in enumerate(mesh.mesh_dim_names or range(mesh.ndim)):
         group = mesh.get_group(dim)
-        backend = group._get_backend(_device(mesh))
-        out[str(name)] = backend.options._timeout.total_seconds()
+        out[str(name)] = group_timeout(group, _device(mesh)).total_seconds()
     return out
 
 

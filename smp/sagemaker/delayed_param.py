@@ -20,13 +20,14 @@ import torch
 from torch import nn
 
 import smp
+from smp._compat import own_buffers, own_parameters
 from smp.sharding import has_meta_tensors, materialize_meta_model
 
 log = logging.getLogger(__name__)
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+    return [t for t in (*own_parameters(module).values(), *own_buffers(module).values()) if t is not None]
 
 
 class DelayedParamIniter:

@@ -7,6 +7,7 @@ import warnings
 
 from torch import nn
 
+from smp._compat import no_split_modules, own_parameters
 from smp.config import ConfigError
 from smp.errors import SMPWarning
 
@@ -34,7 +35,7 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
             )
         return _without_shared_parameters(model, _outermost(blocks), named_by_user=True)
 
-    no_split = getattr(model, "_no_split_modules", None)
+    no_split = no_split_modules(model)
     if no_split:
         blocks = [m for m in model.modules() if type(m).__name__ in set(no_split) and m is not model]
         if blocks:
@@ -72,7 +73,7 @@ def _without_shared_parameters(
     names_of_param: dict[int, list[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         unit = unit_of_module.get(id(module), -1)
-        for name, param in module._parameters.items():
+        for name, param in own_parameters(module).items():
             if param is None:
                 continue
             units_of_param.setdefault(id(param), set()).add(unit)

@@ -36,8 +36,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from smp._compat import (
+    TorchDispatchMode, add_parameter_slot, clear_initialized_marks, init_weights_function, own_buffers, own_parameters,
+)
 from smp.errors import ConfigError
 
 
@@ -52,7 +54,7 @@ def _swap_entries(module: nn.Module, recurse: bool) -> list[tuple[nn.Module, str
     stack = [module]
     while stack:
         current = stack.pop()
-        for name, param in current._parameters.items():
+        for name, param in own_parameters(current).items():
             if isinstance(param, DTensor):
                 entries.append((current, name, param))
         if recurse:
@@ -78,13 +80,13 @@ def _full_parameters(
                 full = full.clone()  # an unsharded mesh returns the shard itself: never alias it
         else:
             full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
-        owner._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+        add_parameter_slot(owner, name, nn.Parameter(full, requires_grad=param.requires_grad))
     try:
         yield
     finally:
         for owner, name, param in entries:
-            full = owner._parameters[name].detach()
-            owner._parameters[name] = param
+            full = own_parameters(owner)[name].detach()
+            add_parameter_slot(owner, name, param)
             if first_owner.get(id(param)) != id(owner):
                 continue
             # src_data_rank=None: every rank slices its own shard from identical local data.
@@ -170,7 +172,7 @@ class _Replay:
 
         def visit(module: nn.Module, init_fn: Callable) -> None:
             for child in module.children():
-                visit(child, child._initialize_weights if _is_hf_model(child) else init_fn)
+                visit(child, init_weights_function(child) if _is_hf_model(child) else init_fn)
             if id(module) not in self.hf_done:
                 # recurse: an init may write a child's weight (GPT-2 scales attn.c_proj).
                 with _full_parameters(module, gather=True, first_owner=self.first_owner, recurse=True):
@@ -178,7 +180,7 @@ class _Replay:
                 self.hf_done.add(id(module))
 
         with hf_init.guard_torch_init_functions():
-            visit(model, model._initialize_weights)
+            visit(model, init_weights_function(model))
 
 
 def _eager_construction_draws(model: nn.Module) -> list[tuple[str, tuple[int, ...]]] | str:
@@ -242,7 +244,7 @@ def _value_owners(model: nn.Module) -> dict[int, int]:
     """
     owners: dict[int, int] = {}
     for module in model.modules():
-        for param in module._parameters.values():
+        for param in own_parameters(module).values():
             if param is not None:
                 owners.setdefault(id(param), id(module))
     for source in set((getattr(model, "all_tied_weights_keys", None) or {}).values()):
@@ -251,7 +253,7 @@ def _value_owners(model: nn.Module) -> dict[int, int]:
             module = model.get_submodule(module_name)
         except AttributeError:
             continue  # a buffer or a name this model no longer has: nothing to own
-        param = module._parameters.get(param_name)
+        param = own_parameters(module).get(param_name)
         if param is not None:
             owners[id(param)] = id(module)
     return owners
@@ -261,9 +263,7 @@ def _clear_hf_init_marks(model: nn.Module) -> None:
     """Forget transformers' `_is_hf_initialized` marks: they describe values that were never
     allocated (accelerate's init_empty_weights runs the inits on meta tensors and marks every
     module), and would make the replay skip those modules' inits."""
-    for obj in (*model.modules(), *model.parameters(), *model.buffers()):
-        if "_is_hf_initialized" in getattr(obj, "__dict__", {}):
-            del obj._is_hf_initialized
+    clear_initialized_marks((*model.modules(), *model.parameters(), *model.buffers()))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -275,7 +275,7 @@ def _tensor_slots(model: nn.Module) -> Iterator[tuple[str, dict, str]]:
     buffer, each tensor once."""
     seen: set[int] = set()
     for module_name, module in model.named_modules():
-        for store in (module._parameters, module._buffers):
+        for store in (own_parameters(module), own_buffers(module)):
             for name, t in store.items():
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))

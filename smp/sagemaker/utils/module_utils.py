@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from smp._compat import own_buffers
 from smp.sagemaker._guide import unsupported_module_getattr
 
 
@@ -22,9 +23,10 @@ def move_buffers_to_device(module: nn.Module, device: torch.device | str, recurs
     (a meta buffer gets uninitialised storage)."""
     modules = module.modules() if recurse else [module]
     for m in modules:
-        for name, buffer in m._buffers.items():
+        buffers = own_buffers(m)
+        for name, buffer in buffers.items():
             if buffer is not None:
-                m._buffers[name] = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
+                buffers[name] = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
     return module
 
 
