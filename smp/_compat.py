@@ -172,6 +172,12 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
     return module._non_persistent_buffers_set
 
 
+def own_children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """The module's own submodule slots, the live dict (a slot may hold None, which keeps the
+    name registered): `nn.Module._modules`, 2.9-2.14. Reading only: `named_children()`."""
+    return module._modules
+
+
 def add_parameter_slot(module: nn.Module, name: str, value: nn.Parameter | None) -> None:
     """Put `value` in the module's parameter slot `name` as it is (see `own_parameters`)."""
     module._parameters[name] = value
@@ -422,6 +428,15 @@ def init_weights_function(model: nn.Module) -> Callable[[nn.Module], None]:
     return fn
 
 
+def module_init_function(model: nn.Module) -> Callable[[nn.Module], None]:
+    """The model's own initialiser of one module (what `_initialize_weights` calls per module,
+    without the `_is_hf_initialized` bookkeeping): `PreTrainedModel._init_weights`."""
+    fn = getattr(model, "_init_weights", None)
+    if fn is None:
+        raise unsupported("running a transformers model's module initialiser (_init_weights)", "transformers")
+    return fn
+
+
 def clear_initialized_marks(objects: Iterable[Any]) -> None:
     """Forget transformers' `_is_hf_initialized` marks on modules and tensors."""
     for obj in objects:
@@ -449,32 +464,39 @@ def model_tp_plan(model: nn.Module) -> dict[str, Any]:
     return dict(getattr(model, "_tp_plan", None) or {})
 
 
-_TRAINER_HOOKS = ("_move_model_to_device", "_track_num_input_tokens")
+# Private methods of transformers.Trainer that smp's Trainer integration (smp/integrations/
+# trainer.py) overrides or calls on itself; checked on transformers 5.17, 5.23. An override of a
+# method the installed Trainer no longer has would silently never run: `check_trainer_overrides`
+# refuses that when the Trainer is built. tests/test_compat_layer.py allows these names, and
+# only these, as overrides.
+TRAINER_OVERRIDES = frozenset({
+    "_move_model_to_device", "_track_num_input_tokens", "_clip_grad_norm", "_get_grad_norm",
+    "_save_checkpoint", "_get_output_dir", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+    "_load_scaler", "_load_rng_state",
+})
+# Extension points other libraries ask subclasses to implement under a private name. A missing
+# base method fails loudly there (an abstract method), so no version check is needed.
+EXTENSION_POINTS = frozenset({"_apply"})  # torch's ParallelStyle (custom tensor-parallel styles)
 
 
-class TrainerHooks:
-    """Mixin for a `transformers.Trainer` subclass: overrides the two private Trainer methods
-    smp must change, forwarding them to public-named methods the subclass defines:
-    `smp_move_model_to_device(model, device)` and `smp_track_num_input_tokens(inputs, track)`
-    (`track(inputs)` runs the Trainer's own count). Call `check_trainer_hooks(cls)` once: an
-    override of a method the installed Trainer no longer calls would be silently ignored."""
-
-    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        self.smp_move_model_to_device(model, device)  # type: ignore[attr-defined]
-
-    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
-        self.smp_track_num_input_tokens(inputs, super()._track_num_input_tokens)  # type: ignore[attr-defined,misc]
-
-
-def check_trainer_hooks(trainer_cls: type) -> None:
-    """Raise UnsupportedVersionError when the installed Trainer lacks a method TrainerHooks
-    overrides (checked on transformers 5.17, 5.23)."""
+def check_trainer_overrides() -> None:
+    """Raise UnsupportedVersionError when the installed transformers.Trainer lacks a method
+    smp's integration overrides (see TRAINER_OVERRIDES)."""
     import transformers
 
-    for name in _TRAINER_HOOKS:
-        if not callable(getattr(transformers.Trainer, name, None)):
-            raise unsupported(f"smp's Trainer integration ({trainer_cls.__name__} overrides Trainer.{name})",
-                              "transformers")
+    missing = sorted(n for n in TRAINER_OVERRIDES if not callable(getattr(transformers.Trainer, n, None)))
+    if missing:
+        raise unsupported(f"smp's Trainer integration (it overrides Trainer.{', Trainer.'.join(missing)})",
+                          "transformers", fix="Use transformers 5.17 to 5.23, which smp was checked on.")
+
+
+def trainer_batch_size(trainer: Any) -> int:
+    """The per-device batch size the Trainer uses now (auto_find_batch_size may have lowered
+    `args.train_batch_size`): `Trainer._train_batch_size`."""
+    size = getattr(trainer, "_train_batch_size", None)
+    if size is None:
+        raise unsupported("reporting the Trainer's batch size (Trainer._train_batch_size)", "transformers")
+    return size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,3 +555,13 @@ def checkpoint_key_converter(model: nn.Module) -> Callable[[str, Any], tuple[str
         return renamed, source_pattern is not None
 
     return convert
+
+
+# --- smp.sagemaker: FSDP1-era helpers SMP v2 scripts call (checked on torch 2.13.0) ----------
+
+def checkpoint_wrapper_module() -> Any:
+    """`torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, which holds the
+    `offload_wrapper` SMP v2 scripts apply to the model (no public home in torch 2.13)."""
+    import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as module
+
+    return module
