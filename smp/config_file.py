@@ -3,7 +3,8 @@
 A config is a few dozen keys; anything far larger is a mistake or an attack, and must fail in
 well under a second with one line naming the file, never with a traceback or a message that
 echoes the input:
-- the file is read only up to `MAX_CONFIG_BYTES`;
+- only a regular file is opened (a FIFO would block `open()` forever), and it is read only up
+  to `MAX_CONFIG_BYTES` (`/dev/zero` never ends);
 - YAML aliases are expanded at most `MAX_YAML_NODES` nodes in all: a 561-byte "billion laughs"
   file expands to 10^9 nodes, which pydantic then walks (and quotes in its error);
 - nesting is capped at `MAX_DEPTH` (the YAML composer and json recurse in Python);
@@ -19,6 +20,7 @@ from typing import Any
 import yaml
 
 from smp.errors import ConfigError
+from smp.regular_files import NotReadable, read_regular
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_YAML_NODES = 100_000
@@ -33,16 +35,18 @@ def read_config_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"config file {name} does not exist")
         raise ConfigError(f"config file {name}: use a .json, .yaml or .yml file")
     try:
-        with open(path, "rb") as f:  # never stat-then-read: /dev/zero and FIFOs lie about size
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {name} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {name} is a directory; name a .json or .yaml file") from None
-    except OSError as e:
-        raise ConfigError(f"config file {name} cannot be read: {e.strerror or type(e).__name__}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {name} is larger than {MAX_CONFIG_BYTES >> 20} MiB; a config is a few keys")
+        # Only a regular file, checked before opening (a FIFO blocks open() itself), read up to
+        # the limit (/dev/zero never ends); a link to a regular file is fine.
+        raw = read_regular(str(path), MAX_CONFIG_BYTES, follow_links=True)
+    except NotReadable as e:
+        why = str(e)
+        if why == "is a directory, not a regular file":
+            why = "is a directory; name a .json or .yaml file"
+        elif why.startswith("is larger than"):
+            why += "; a config is a few keys"
+        elif why.startswith("is a"):
+            why += "; name a .json or .yaml file"
+        raise ConfigError(f"config file {name} {why}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

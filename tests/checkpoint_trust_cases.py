@@ -474,3 +474,73 @@ def disk_full(config: dict, root: str, inject: str | None) -> dict:
         out["step"] = ck.load(ck.latest(root), fresh, fresh_opt)["step"]
         out["intact"] = _unchanged(at_1, fresh)
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Files planted in a shared root: a link to /dev/zero, a FIFO
+
+
+class _Warnings:
+    """The messages smp.checkpointing logs as warnings while active."""
+
+    def __init__(self):
+        import logging
+
+        self.messages: list[str] = []
+        self._logger = logging.getLogger("smp.checkpointing")
+        self._handler = logging.Handler(logging.WARNING)
+        self._handler.emit = lambda record: self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self._handler)
+
+
+def _timed(fn, *args) -> tuple[str, float]:
+    """(what fn returned or raised, as text; seconds it took)."""
+    import time
+
+    start = time.monotonic()
+    try:
+        result = fn(*args)
+        text = os.path.basename(result) if isinstance(result, str) else repr(result)
+    except smp.CheckpointError as e:
+        text = str(e)
+    except BaseException as e:  # noqa: BLE001 - a raw MemoryError / OSError is the bug
+        text = f"NOT A CheckpointError: {type(e).__name__}: {e}"
+    return text, time.monotonic() - start
+
+
+def planted_files(config: dict, root: str) -> dict:
+    """step_2's smp_meta.json (or its commit marker, or DCP's .metadata) replaced by a link to
+    /dev/zero or a FIFO: latest() skips step_2 with a warning and returns step_1; loading step_2
+    is a CheckpointError naming the file; each within a second. step_1 still loads (`ok`)."""
+    out = {}
+    with smp.session(config):
+        ck = smp.checkpointing
+        model, opt = _fresh()
+        ck.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
+        _train_step(model, opt)
+        for plant in ("meta_devzero", "meta_fifo", "commit_fifo", "commit_devzero", "dcp_fifo"):
+            path = os.path.join(root, f"{plant}_step_2")
+            ck.save(path, model, opt, extra={"step": 2})
+            name = {"meta": "smp_meta.json", "commit": "smp_commit.json", "dcp": ".metadata"}[plant.split("_")[0]]
+
+            def replace():
+                os.remove(os.path.join(path, name))
+                if plant.endswith("fifo"):
+                    os.mkfifo(os.path.join(path, name))
+                else:
+                    os.symlink("/dev/zero", os.path.join(path, name))
+            _on_rank0(replace)
+            with _Warnings() as warned:
+                out[f"{plant}_latest"], out[f"{plant}_latest_s"] = _timed(ck.latest, root)
+            out[f"{plant}_warned"] = any(os.path.basename(path) in m for m in warned.messages) or warned.messages
+            out[f"{plant}_load"], out[f"{plant}_load_s"] = _timed(ck.load, path, model, opt)
+            _on_rank0(lambda: shutil.rmtree(path))
+        fresh, fresh_opt = _fresh()
+        out["ok"] = _error(ck.load, os.path.join(root, "step_1"), fresh, fresh_opt)
+    return out

@@ -140,3 +140,17 @@ def test_disk_full_on_a_real_small_filesystem(ranks, tmp_path):
         _disk_full_checks(ranks(2).run(cases.disk_full, config={}, root=str(small), inject=None))
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_planted_files_are_refused_fast(ranks, tmp_path, world):
+    """A link to /dev/zero used to be read until memory ran out, a FIFO blocked latest() forever."""
+    for r in ranks(world).run(cases.planted_files, config={}, root=str(tmp_path)):
+        assert r["ok"] == "", r["ok"]
+        for plant in ("meta_devzero", "meta_fifo", "commit_fifo", "commit_devzero", "dcp_fifo"):
+            name = {"meta": "smp_meta.json", "commit": "smp_commit.json", "dcp": ".metadata"}[plant.split("_")[0]]
+            assert r[f"{plant}_latest"] == "step_1" and r[f"{plant}_latest_s"] < 1, (plant, r)
+            assert _refused(r[f"{plant}_load"], name) and r[f"{plant}_load_s"] < 1, (plant, r[f"{plant}_load"])
+        for plant in ("meta_devzero", "meta_fifo"):
+            assert r[f"{plant}_warned"] is True, (plant, r[f"{plant}_warned"])
+        assert "symbolic link" in r["meta_devzero_load"] and "FIFO" in r["meta_fifo_load"], r

@@ -416,3 +416,32 @@ def test_trace_finds_the_first_module_with_a_nonfinite_output():
     # layers.1.up completes before its parents (layers.1, the root), which are NaN too.
     assert (trace.first, trace.kind) == ("layers.1.up", "nan")
     assert not model.layers[1].up._forward_hooks  # hooks removed
+
+
+@pytest.mark.parametrize("plant", ["fifo", "devzero"])
+def test_planted_config_file_is_refused_fast(tmp_path, plant):
+    """A FIFO given as the config file made `smp check` / `smp plan` hang in open(); a link to
+    /dev/zero is a character device, not a config. Refused in-process and by the command, in
+    well under a second of work, naming the file; a regular config beside it still loads."""
+    from smp.config import load_config
+
+    path = tmp_path / "smp.yaml"
+    if plant == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink("/dev/zero", path)
+    start = time.monotonic()
+    with pytest.raises(smp.ConfigError) as e:
+        load_config(str(path))
+    assert time.monotonic() - start < 1, time.monotonic() - start
+    kind = "FIFO" if plant == "fifo" else "character device"
+    assert "smp.yaml" in str(e.value) and kind in str(e.value), e.value
+    good = tmp_path / "good.yaml"
+    good.write_text("backend: gloo\n")
+    assert load_config(str(good)).backend == "gloo"  # negative control: a real file still loads
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("SMP_CONFIG", None)
+    for command in (["check", str(path)], ["plan", str(path), "--model", "tiny", "--world-size", "2"]):
+        proc = subprocess.run([sys.executable, "-m", "smp", *command], capture_output=True, text=True,
+                              env=env, timeout=120)
+        assert proc.returncode == 2 and "smp.yaml" in proc.stderr and kind in proc.stderr, (command, proc.stderr[-2000:])

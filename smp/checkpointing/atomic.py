@@ -23,14 +23,19 @@ commit time), never a clock: clocks differ between nodes and jump.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 
 from smp.checkpointing import digest, metadata
 from smp.errors import CheckpointError
+from smp.regular_files import NotReadable, read_regular
+
+log = logging.getLogger(__name__)
 
 COMMIT_FILE = "smp_commit.json"
 PARTIAL_FILE = "smp_partial.json"
@@ -62,8 +67,17 @@ def partial_dir(path: str) -> str:
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}{PARTIAL_SUFFIX}")
 
 
+# Commit and partial markers hold a few fields; anything larger was not written by smp.
+_MAX_MARKER_BYTES = 64 << 10
+
+
 def is_committed(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMMIT_FILE))
+    """The folder holds a commit marker that is a regular file (a link or a FIFO planted in its
+    place is not one, and is never opened)."""
+    try:
+        return stat.S_ISREG(os.lstat(os.path.join(path, COMMIT_FILE)).st_mode)
+    except OSError:
+        return False
 
 
 def _fsync_dir(path: str) -> None:
@@ -123,9 +137,8 @@ def _is_empty_dir(path: str) -> bool:
 def _partial_owner(path: str) -> str | None:
     """The run id in a partial folder's `smp_partial.json`; None when it is not smp's."""
     try:
-        with open(os.path.join(path, PARTIAL_FILE)) as f:
-            owner = json.load(f)["run_id"]
-    except (OSError, ValueError, KeyError, TypeError):
+        owner = json.loads(read_regular(os.path.join(path, PARTIAL_FILE), _MAX_MARKER_BYTES))["run_id"]
+    except (NotReadable, ValueError, KeyError, TypeError, RecursionError):
         return None
     return owner if isinstance(owner, str) else None
 
@@ -161,9 +174,8 @@ def commit(path: str, kind: str = "sharded", run_id: str | None = None) -> None:
 def _marker(path: str) -> dict:
     """The commit marker's fields; {} when it is missing or unreadable."""
     try:
-        with open(os.path.join(path, COMMIT_FILE)) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        data = json.loads(read_regular(os.path.join(path, COMMIT_FILE), _MAX_MARKER_BYTES))
+    except (NotReadable, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -183,7 +195,11 @@ def _listed(root: str) -> list[tuple[tuple, str, dict]]:
     found = []
     for name in os.listdir(root):
         full = os.path.join(root, name)
-        if name.startswith(".") or os.path.islink(full) or not os.path.isdir(full) or not is_committed(full):
+        if name.startswith(".") or os.path.islink(full) or not os.path.isdir(full):
+            continue
+        if not is_committed(full):
+            if os.path.lexists(os.path.join(full, COMMIT_FILE)):
+                log.warning("smp.checkpointing: skipping %r: its %s is not a regular file (planted?)", full, COMMIT_FILE)
             continue
         marker = _marker(full)
         found.append((_order(name, marker), full, marker))
@@ -199,21 +215,31 @@ def committed(root: str) -> list[str]:
     return [full for _, full, marker in _listed(root) if marker.get("kind", "sharded") == "sharded"]
 
 
-def complete(path: str) -> bool:
-    """Committed, with readable metadata and every recorded file present at its size."""
+def incomplete(path: str) -> str | None:
+    """Why a committed folder cannot be loaded, from its metadata and a stat per file (None
+    when its metadata reads and every recorded file is there at its size)."""
     try:
         meta = metadata.read(path)
-    except CheckpointError:
-        return False
-    return digest.complete(path, meta.get("files", {}))
+    except CheckpointError as e:
+        return str(e)
+    found = digest.problems(path, meta.get("files") or {}, sorted(meta.get("files") or {}), read=False)
+    return "; ".join(found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "") if found else None
+
+
+def complete(path: str) -> bool:
+    """Committed, with readable metadata and every recorded file present at its size."""
+    return incomplete(path) is None
 
 
 def latest(root: str | os.PathLike) -> str | None:
     """The most recently saved complete checkpoint under `root`, or None. Never a partial one,
-    never one with a missing or truncated file, never a symbolic link."""
+    never one with a missing or truncated file or a planted metadata file (each skipped with a
+    warning), never a symbolic link."""
     for path in reversed(committed(os.fspath(root))):
-        if complete(path):
+        why = incomplete(path)
+        if why is None:
             return path
+        log.warning("smp.checkpointing.latest: skipping %r: %s", path, why)
     return None
 
 

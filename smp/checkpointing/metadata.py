@@ -22,6 +22,7 @@ import torch.distributed as dist
 from smp._version import __version__
 from smp.errors import CheckpointError
 from smp.mesh import ParallelDims
+from smp.regular_files import NotReadable, read_regular
 
 META_FILE = "smp_meta.json"
 FORMAT_VERSION = 2  # 2: "files" (sizes and digests) and the optimizer's options
@@ -31,6 +32,9 @@ _REQUIRED = {"format": str, "format_version": int, "kind": str, "world_size": in
 # Optimizer options that choose an implementation, not the result or the state kept: a run
 # may resume on other hardware with another choice.
 _IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+# smp_meta.json lists every parameter (~80 bytes each) and file: a few MiB for the largest
+# models; a bound that no real one reaches, so a planted huge file is refused, not parsed.
+MAX_META_BYTES = 64 << 20
 _MAX_LISTED = 20  # longer key lists are cut, with a count of the rest
 
 
@@ -81,11 +85,17 @@ def read(directory: str) -> dict[str, Any]:
     """`smp_meta.json`, checked field by field; CheckpointError names what is wrong."""
     file = os.path.join(directory, META_FILE)
     try:
-        with open(file, "rb") as f:
-            meta = json.loads(f.read().decode())
-    except (OSError, ValueError) as e:  # missing, unreadable, empty, not UTF-8, not JSON
-        raise CheckpointError(f"{file!r} cannot be read ({type(e).__name__}: {e}); the checkpoint is "
-                              f"damaged: load another one (latest(root) skips damaged ones)") from None
+        # A regular file only (a FIFO, or a link to /dev/zero, planted in a shared root would
+        # hang or fill memory), of bounded size.
+        raw = read_regular(file, MAX_META_BYTES)
+    except NotReadable as e:
+        raise CheckpointError(f"{file!r} {e}; the checkpoint is damaged or unsafe: load another one "
+                              f"(latest(root) skips such folders)") from None
+    try:
+        meta = json.loads(raw.decode())
+    except (ValueError, RecursionError) as e:  # empty, not UTF-8, not JSON, nested too deep
+        raise CheckpointError(f"{file!r} cannot be read ({type(e).__name__}: {str(e)[:200]}); the checkpoint "
+                              f"is damaged: load another one (latest(root) skips damaged ones)") from None
     wrong = _schema_problems(meta)
     if wrong:
         raise CheckpointError(f"{file!r} is damaged ({'; '.join(wrong)}); load another checkpoint "

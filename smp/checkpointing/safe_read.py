@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from smp._compat import set_element
 from smp.checkpointing.digest import unsafe_path
+from smp.regular_files import NotReadable, open_regular
 
 DCP_METADATA_FILE = ".metadata"
 
@@ -67,7 +68,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(directory: str) -> Metadata:
     """The folder's DCP metadata, unpickled with the allow-list, its storage paths checked."""
-    with open(os.path.join(directory, DCP_METADATA_FILE), "rb") as f:
+    try:  # a regular file in the folder, never a link or a FIFO planted in its place
+        fd = open_regular(os.path.join(directory, DCP_METADATA_FILE))
+    except NotReadable as e:
+        raise UnsafeCheckpoint(f"{DCP_METADATA_FILE} {e}") from None
+    with os.fdopen(fd, "rb") as f:
         try:
             md = _MetadataUnpickler(f).load()
         except UnsafeCheckpoint:
@@ -107,5 +112,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def read_extra(file: str, allow_pickle: bool) -> Any:
-    """smp's per-rank `{"extra", "rng"}` file: weights_only unless the caller trusts it."""
-    return torch.load(file, weights_only=not allow_pickle)
+    """smp's per-rank `{"extra", "rng"}` file: weights_only unless the caller trusts it. Only a
+    regular file (never a link or a FIFO planted in its place)."""
+    try:
+        fd = open_regular(file)
+    except NotReadable as e:
+        raise UnsafeCheckpoint(f"{os.path.basename(file)} {e}") from None
+    with os.fdopen(fd, "rb") as f:
+        return torch.load(f, weights_only=not allow_pickle)

@@ -16,6 +16,7 @@ from smp._version import __version__
 from smp.checkpointing import atomic, digest, inline_digest, metadata, safe_read
 from smp.checkpointing.collective import agree, rank, world
 from smp.errors import CheckpointError
+from smp.regular_files import NotReadable, check_regular
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,13 @@ def check_directory(path: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} is a file, not a checkpoint directory")
+    for name in (atomic.COMMIT_FILE, metadata.META_FILE):  # planted: a FIFO, a link to /dev/zero
+        if os.path.lexists(os.path.join(path, name)):
+            try:
+                check_regular(os.path.join(path, name))
+            except NotReadable as e:
+                raise CheckpointError(f"{os.path.join(path, name)!r} {e}; the checkpoint is damaged or unsafe: "
+                                      f"load another one (latest(root) skips such folders)") from None
     if os.path.basename(path).endswith(atomic.PARTIAL_SUFFIX) or (
         os.path.exists(os.path.join(path, ".metadata")) and not atomic.is_committed(path)
     ):
