@@ -19,16 +19,24 @@ import re
 import shutil
 import warnings
 
+from typing import Any, Callable
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from smp.checkpointing import atomic, metadata
-from smp.checkpointing.sharded import _agree_on_tmp, _dist, _rank, on_rank0, wait
-from smp.errors import CheckpointError
+from smp.checkpointing.collective import is_dist as _dist
+from smp.checkpointing.collective import on_rank0
+from smp.checkpointing.collective import rank as _rank
+from smp.checkpointing.sharded import _agree_on_tmp, wait
+from smp import _compat
+from smp.errors import CheckpointError, SMPWarning
 from smp.mesh import ParallelDims
+from smp.sharding.delayed_init import _user_class, has_meta_tensors
 
 # transformers' own default shard size for save_pretrained; smaller means more, smaller files.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -70,7 +78,7 @@ def export_hf(
     export records passed in as `dims` (None under plain torch.distributed)."""
     wait()
     out_dir = os.path.abspath(os.fspath(out_dir))
-    state = get_model_state_dict(model)
+    state = _one_copy_of_tied(get_model_state_dict(model), model)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     meta = metadata.build(metadata.tensor_shapes(state), False, "hf", dims)
@@ -94,6 +102,22 @@ def export_hf(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _one_copy_of_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """`state` with each tied parameter under one name only, as `save_pretrained` writes it
+    (safetensors refuses two names for one tensor): transformers' tie targets
+    (`all_tied_weights_keys`, {target: source}: `lm_head.weight` tied to the embedding) are
+    dropped, and `from_pretrained` ties them again from the source; outside transformers the
+    first name in model order is kept. Decided from the module tree, the same on every rank."""
+    targets = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
+    for names in _tied_groups(model):
+        present = [n for n in names if n in state]
+        keep = next((n for n in present if n not in targets), present[0] if present else None)
+        for name in present:
+            if name != keep:
+                del state[name]
+    return state
 
 
 def _hf_shapes(hf_dir: str) -> dict[str, list[int]]:
@@ -149,8 +173,7 @@ def _from_pretrained_rules(model: nn.Module) -> tuple[str, re.Pattern | None, re
     hold them as non-persistent buffers) and when missing (`_keys_to_ignore_on_load_missing`),
     and the names of the model's non-persistent buffers (never in a state dict, often in old files)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
-    unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-    missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+    unexpected, missing = _compat.keys_to_ignore_on_load(model)
     buffers = [_clean(n) for n, _ in model.named_buffers()]
     if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
         unexpected.add(r"rotary_emb\.inv_freq")
@@ -159,7 +182,7 @@ def _from_pretrained_rules(model: nn.Module) -> tuple[str, re.Pattern | None, re
     non_persistent = {
         _clean(f"{module_name}.{name}" if module_name else name)
         for module_name, module in model.named_modules()
-        for name in module._non_persistent_buffers_set
+        for name in _compat.non_persistent_buffers(module)
     }
 
     def compiled(patterns: set[str]) -> re.Pattern | None:
@@ -182,25 +205,61 @@ def _model_key(key: str, model_keys: set[str], prefix: str) -> str | None:
     return None
 
 
+def _key_converter(model: nn.Module) -> Callable[[str, Any], tuple[str, bool]] | None:
+    """transformers' own renaming of checkpoint keys for `model`'s class (what `from_pretrained`
+    applies: LLaVA's `language_model.model.*` -> `model.language_model.*`, ViT's
+    `vit.encoder.layer.*` -> `vit.layers.*`, the legacy renames), or None outside transformers.
+    Asked of the class rebuilt from its config on the meta device: the transformed model's
+    classes (FSDP's `FSDP<Name>`) and module paths (checkpoint wrappers) are not the ones
+    transformers looks up."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            plain = _user_class(model)(model.config)
+    except Exception:  # noqa: BLE001 - no rebuild: keys are matched as they are (mismatches raise)
+        return None
+    return _compat.checkpoint_key_converter(plain)
+
+
 def _plan_hf_load(
-    saved: dict[str, list[int]], model: nn.Module, model_shapes: dict[str, list[int]], source: str
+    saved: dict[str, list[int]], model: nn.Module, model_shapes: dict[str, list[int]], source: str,
+    convert: Callable[[str, Any], tuple[str, bool]] | None = None,
 ) -> tuple[dict[str, str], list[str]]:
     """(checkpoint key -> model key for each tensor to read, what was forgiven, for the log).
 
-    Follows from_pretrained's rules (`_from_pretrained_rules`); a tied parameter is read once,
-    from the first of its names the file holds. Raises CheckpointError for anything else that
-    does not match: missing or unexpected keys, shape mismatches.
+    Follows from_pretrained's rules: keys renamed by transformers' own conversion for the model
+    (`convert`, from `_key_converter`; a key the model holds as it is stays itself), then
+    `_from_pretrained_rules`; a tied parameter is read once, from the first of its names the
+    file holds. Raises CheckpointError for anything else that does not match: missing or
+    unexpected keys, shape mismatches, keys whose conversion changes the tensor itself.
     """
     prefix, ignore_unexpected, ignore_missing, non_persistent = _from_pretrained_rules(model)
     model_keys = set(model_shapes)
+    lookup = dict.fromkeys(model_keys, True)  # transformers asks `model_keys.get(name) is not None`
     mapping: dict[str, str] = {}
     present: set[str] = set()
     ignored: list[str] = []
     unexpected: dict[str, list[int]] = {}
+    tensor_conversions: list[str] = []
     for key in saved:
-        target = _model_key(key, model_keys, prefix)
+        target, renamed = None, key
+        if convert is not None:
+            renamed, converts = convert(key, lookup)
+            if renamed not in model_keys and key in model_keys:
+                renamed, converts = key, False  # from_pretrained's fallback: the key as it is
+            if renamed in model_keys:
+                target = renamed
+                if converts:
+                    tensor_conversions.append(key)
         if target is None:
-            target = _model_key(key, non_persistent, prefix)
+            target = _model_key(renamed, model_keys, prefix)
+        if target is None:
+            target = _model_key(renamed, non_persistent, prefix)
             if target is not None or (ignore_unexpected and ignore_unexpected.search(key)):
                 ignored.append(key)
             else:
@@ -234,28 +293,175 @@ def _plan_hf_load(
         {**{mapping[k]: v for k, v in saved.items() if k in mapping}, **unexpected},
         model_shapes, source, frozenset(tied_alias | forgiven_missing),
     )
+    if tensor_conversions:
+        raise CheckpointError(
+            f"{source} holds {len(tensor_conversions)} tensor(s) that from_pretrained converts, not "
+            f"only renames, for this model (e.g. {', '.join(sorted(tensor_conversions)[:3])}): load_hf "
+            "reads each rank's slices as they are in the file and cannot convert them. Load the "
+            "folder with from_pretrained, then smp.transform the model (or export_hf it once "
+            "and load_hf that folder)."
+        )
     return mapping, ignored
 
 
-def load_hf(hf_dir: str | os.PathLike, model: nn.Module) -> None:
+def _meta_names(model: nn.Module) -> list[str]:
+    return sorted({_clean(n) for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta})
+
+
+def _computed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Values for the model's non-persistent buffers still on the meta device (rotary
+    `inv_freq`, `position_ids`: never in a checkpoint), computed as from_pretrained computes
+    them: by the model's own `_init_weights` on each module holding one, run on a copy of that
+    module rebuilt from the config (so no loaded weight is touched). A buffer the init does not
+    write, or writes differently from one run to the next, is refused by name."""
+    wanted = {
+        _clean(f"{module_name}.{name}" if module_name else name)
+        for module_name, module in model.named_modules()
+        for name, t in _compat.own_buffers(module).items()
+        if t is not None and t.is_meta and name in _compat.non_persistent_buffers(module)
+    }
+    if not wanted:
+        return {}
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        PreTrainedModel = None
+    why = "it is not a transformers model, so no init call is known to compute them"
+    values: dict[str, torch.Tensor] = {}
+    if PreTrainedModel is not None and isinstance(model, PreTrainedModel):
+        why = "its class does not rebuild from its config"
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                plain = _user_class(model)(model.config)
+        except Exception:  # noqa: BLE001 - no rebuild, no values: refused below
+            plain = None
+        if plain is not None:
+            why = "the model's _init_weights does not set them (the same way twice)"
+            values = _init_buffers(plain, wanted)
+    unset = sorted(wanted - set(values))
+    if unset:
+        raise CheckpointError(
+            f"load_hf cannot fill the non-persistent buffers {', '.join(unset[:8])}"
+            f"{' ...' if len(unset) > 8 else ''} of this meta model: no checkpoint holds them and {why}. "
+            "Build those buffers on a real device (accelerate's init_empty_weights() keeps buffers "
+            "real), or build the model eagerly."
+        )
+    return values
+
+
+def _init_buffers(plain: nn.Module, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """{name: value} for the buffers of `wanted` that transformers' init computes on the meta
+    rebuild `plain`: each module holding one is allocated alone (its own tensors), and the
+    nearest PreTrainedModel's `_init_weights` runs on it twice, from two different fills: a value
+    counts only if both runs give it bitwise (written, and not drawn at random)."""
+    from transformers import PreTrainedModel
+
+    owner: dict[str, nn.Module] = {}
+    for name, module in plain.named_modules():  # parents come first: the nearest one wins
+        if isinstance(module, PreTrainedModel):
+            owner.update({n: module for n, _ in module.named_modules(prefix=name)})
+    values: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for module_name, module in plain.named_modules():
+            own = {n for n in _compat.non_persistent_buffers(module)
+                   if (f"{module_name}.{n}" if module_name else n) in wanted}
+            if not own:
+                continue
+            for store in (_compat.own_parameters(module), _compat.own_buffers(module)):
+                for key, t in store.items():
+                    if t is not None:
+                        store[key] = (nn.Parameter(torch.empty_like(t, device="cpu"), t.requires_grad)
+                                      if isinstance(t, nn.Parameter) else torch.empty_like(t, device="cpu"))
+            runs = []
+            for fill in (0, 1):
+                for n in own:
+                    buf = _compat.own_buffers(module)[n]
+                    buf.fill_(fill) if buf.dtype != torch.bool else buf.fill_(bool(fill))
+                _compat.clear_initialized_marks((module, *module.parameters(recurse=False), *module.buffers(recurse=False)))
+                try:
+                    _compat.init_weights_function(owner[module_name])(module)
+                except Exception:  # noqa: BLE001 - an init that cannot run sets nothing: refused by the caller
+                    break
+                runs.append({n: _compat.own_buffers(module)[n].clone() for n in own})
+            if len(runs) == 2:
+                for n in own:
+                    if torch.equal(runs[0][n], runs[1][n]):
+                        values[f"{module_name}.{n}" if module_name else n] = runs[0][n]
+    return values
+
+
+def _allocate(model: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor]) -> None:
+    """Give a meta model (sharded by smp.transform(materialize=False), or not) its memory on
+    `device`: tensors already real are kept, non-persistent buffers get `buffers`, every other
+    value is left for the checkpoint to write (the caller has checked that it holds them all)."""
+    from smp.sharding.delayed_init import _real_values, _tensor_slots
+
+    real = _real_values(model)
+    tied_before = _tied_groups(model)
+    model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives each name of a tied parameter its own tensor
+    if _tied_groups(model) != tied_before:
+        raise CheckpointError(
+            "load_hf: allocating the meta model untied its tied parameters "
+            f"({[g for g in tied_before if g not in _tied_groups(model)]}); build the model eagerly"
+        )
+    with torch.no_grad():
+        for qualified, store, name in _tensor_slots(model):
+            value = real.get(qualified, buffers.get(_clean(qualified)))
+            if value is not None:
+                _local(store[name]).copy_(value)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device | str | None = None) -> None:
     """Stream a local HF safetensors checkpoint into an already transformed model. Collective.
 
     Every rank reads only its own slices. Tensors are cast to the model's dtypes. Loads what
-    `from_pretrained` loads for the same model: legacy and ignorable keys are skipped (named in
-    one warning on rank 0), base-model prefixes are added or stripped, a tied weight may be in
-    the file once or twice; any other mismatch raises CheckpointError.
+    `from_pretrained` loads for the same model: keys renamed by transformers' own conversion
+    for the model's class (older layouts such as LLaVA's `language_model.model.*`), legacy and
+    ignorable keys skipped (named in one warning on rank 0), base-model prefixes added or
+    stripped, a tied weight in the file once or twice; any other mismatch raises CheckpointError.
+
+    A model still on the meta device (`smp.transform(model, materialize=False)`, or
+    `smp.transform(model, weights=hf_dir)` which calls this) is allocated on `device` (default:
+    the current CUDA device, else CPU) and filled from the file: every parameter and persistent
+    buffer must be in it, non-persistent buffers (rotary `inv_freq`) are computed by the model's
+    own init as from_pretrained does, or refused by name; nothing is left as empty memory.
     """
     wait()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
     _check_hf_dir(hf_dir)
-    state = get_model_state_dict(model)
+    on_meta = has_meta_tensors(model)
     source = f"Hugging Face checkpoint {hf_dir!r}"
-    mapping, ignored = _plan_hf_load(_hf_shapes(hf_dir), model, metadata.tensor_shapes(state), source)
+    state = get_model_state_dict(model)
+    mapping, ignored = _plan_hf_load(
+        _hf_shapes(hf_dir), model, metadata.tensor_shapes(state), source, _key_converter(model)
+    )
+    if on_meta:
+        read = set(mapping.values()) | {n for g in _tied_groups(model) if set(g) & set(mapping.values()) for n in g}
+        unread = [n for n in _meta_names(model) if n in state and n not in read]
+        if unread:
+            raise CheckpointError(
+                f"{source} does not hold {', '.join(unread[:8])}{' ...' if len(unread) > 8 else ''}, which "
+                "this meta model has no values for (from_pretrained would initialise them; load_hf "
+                "does not replay init on a meta model). Build the model eagerly, or let "
+                "smp.transform initialise it (materialize=True) and then call load_hf."
+            )
+        _allocate(model, torch.device(device) if device is not None else _default_device(), _computed_buffers(model))
+        state = get_model_state_dict(model)
     if ignored and _rank() == 0:
         warnings.warn(
             f"smp: load_hf {hf_dir!r} ignored {len(ignored)} key(s) that from_pretrained also ignores "
             f"(legacy buffers, ignorable or duplicate tied keys): {', '.join(ignored)}",
-            stacklevel=2,
+            SMPWarning, stacklevel=2,
         )
     # Keyed by the file's names, holding the model's tensors: DCP writes straight into them.
     to_read = {key: state[target] for key, target in mapping.items()}

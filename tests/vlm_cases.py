@@ -1,0 +1,241 @@
+"""Rank-side cases for vision and multimodal models (tests/test_vlm.py): tiny LLaVA, Qwen2.5-VL,
+Gemma3, PaliGemma, Mllama, ViT, DINOv2, CLIP and SigLIP built from transformers configs, and the
+text families with tied embeddings, through `export_hf` / `load_hf` / `from_pretrained`.
+Each function returns plain data to the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+import smp
+from smp.testing.distributed import full_tensor
+
+# The tiny shapes: a 2-layer text model (vocab 256) and a 2-layer vision tower on 16x16 images.
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, head_dim=16)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              image_size=16, patch_size=8, num_channels=3)
+SMALL_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  vocab_size=256, max_position_embeddings=16)
+
+TIED_TEXT_FAMILIES = ("llama-tied", "gemma", "qwen2-tied", "gpt2")
+MULTIMODAL_FAMILIES = ("llava", "qwen2_5_vl", "gemma3", "paligemma", "mllama", "vit", "dinov2", "clip", "siglip")
+
+
+def build(family: str) -> torch.nn.Module:
+    """The tiny `family` model, built eagerly from its config (initialised by the current seed)."""
+    import transformers as T
+
+    from smp.testing.models import tiny_gpt2, tiny_llama
+
+    if family == "llama-tied":
+        return tiny_llama(tie_word_embeddings=True)
+    if family == "gpt2":
+        return tiny_gpt2()
+    if family == "gemma":
+        return T.GemmaForCausalLM(T.GemmaConfig(**TEXT))
+    if family == "qwen2-tied":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**TEXT, tie_word_embeddings=True))
+    if family == "llava":
+        return T.LlavaForConditionalGeneration(T.LlavaConfig(
+            text_config=T.LlamaConfig(**TEXT), vision_config=T.CLIPVisionConfig(**VISION, projection_dim=32),
+            image_token_id=255, vision_feature_layer=-1, projector_hidden_act="gelu"))
+    if family == "qwen2_5_vl":
+        text = {k: v for k, v in TEXT.items() if k != "head_dim"}
+        return T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(
+            text_config=dict(**text, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+                             bos_token_id=0, eos_token_id=1),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                               patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                               fullatt_block_indexes=[1], window_size=8),
+            image_token_id=250, video_token_id=251, vision_start_token_id=252))
+    if family == "gemma3":
+        return T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+            text_config=T.Gemma3TextConfig(**TEXT, sliding_window=16), vision_config=T.SiglipVisionConfig(**VISION),
+            mm_tokens_per_image=4, image_token_index=255, boi_token_index=253, eoi_token_index=254))
+    if family == "paligemma":
+        return T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
+            text_config=T.GemmaConfig(**TEXT), vision_config=T.SiglipVisionConfig(**VISION, projection_dim=64),
+            image_token_index=255, projection_dim=64, hidden_size=64))
+    if family == "mllama":
+        return T.MllamaForConditionalGeneration(T.MllamaConfig(
+            text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, cross_attention_layers=[1],
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                               attention_heads=4, image_size=16, patch_size=8, max_num_tiles=2,
+                               vision_output_dim=64, intermediate_layers_indices=[0],
+                               supported_aspect_ratios=[[1, 1], [1, 2]]),
+            image_token_index=255))
+    if family == "vit":
+        return T.ViTForImageClassification(T.ViTConfig(**VISION, num_labels=3))
+    if family == "dinov2":
+        return T.Dinov2ForImageClassification(T.Dinov2Config(**VISION, num_labels=3))
+    if family == "clip":
+        return T.CLIPModel(T.CLIPConfig(text_config=dict(**SMALL_TEXT, bos_token_id=0, eos_token_id=1),
+                                        vision_config=VISION, projection_dim=16))
+    if family == "siglip":
+        return T.SiglipModel(T.SiglipConfig(text_config=dict(**SMALL_TEXT, bos_token_id=0, eos_token_id=1),
+                                            vision_config=VISION))
+    raise ValueError(f"unknown family {family!r}")
+
+
+def _shared_dir(prefix: str) -> str:
+    """A fresh folder made by rank 0, its path agreed by every rank."""
+    path = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    return path[0]
+
+
+def _max_diff(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> float:
+    """Largest gap between `model`'s tensors (sharded or not) and `expected`, by name; inf
+    when a name is absent from `expected`."""
+    worst = 0.0
+    for name, t in model.state_dict().items():
+        if name not in expected:
+            return float("inf")
+        full = full_tensor(t.detach()).float()
+        if full.numel():
+            worst = max(worst, float((full - expected[name].float()).abs().max()))
+    return worst
+
+
+# --- 1. export_hf of tied embeddings -----------------------------------------------------------
+
+def tied_export_round_trip(config: dict, family: str, keep_both: bool = False) -> dict:
+    """`family` (tied input/output embeddings) transformed, one SGD step, `export_hf`, then
+    transformers' `from_pretrained` of the folder: {"error", "diff" (every tensor vs the
+    transformed model), "tied" (the tie restored), "files"}. `keep_both` (negative control)
+    writes both names of the tied weight, as export_hf did before."""
+    from smp.checkpointing import hf
+
+    out = _shared_dir(f"tied-{family}-")
+    original = hf._one_copy_of_tied
+    if keep_both:
+        hf._one_copy_of_tied = lambda state, model: state
+    try:
+        with smp.session(config):
+            torch.manual_seed(0)
+            model = smp.transform(build(family))
+            ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+            model(input_ids=ids, labels=ids).loss.backward()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            expected = {n: full_tensor(t.detach()).clone() for n, t in model.state_dict().items()}
+            try:
+                smp.checkpointing.export_hf(os.path.join(out, "hf"), model)
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                return {"error": f"{type(e).__name__}: {e}"}
+            loaded = type(build(family)).from_pretrained(os.path.join(out, "hf"))
+            inp, outp = loaded.get_input_embeddings().weight, loaded.get_output_embeddings().weight
+            with torch.no_grad():
+                diff = max(float((loaded.state_dict()[n].float() - v.float()).abs().max()) for n, v in expected.items())
+            return {"error": "", "diff": diff, "tied": inp.data_ptr() == outp.data_ptr(),
+                    "files": sorted(os.listdir(os.path.join(out, "hf")))}
+    finally:
+        hf._one_copy_of_tied = original
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+# --- 2. load_hf of the folders save_pretrained writes, through transformers' key conversion ----
+
+def _saved_folder(family: str, seed: int = 7) -> tuple[str, torch.nn.Module]:
+    """(a shared folder holding `family` written by save_pretrained under `src/`, the one-process
+    `from_pretrained` of it: the reference)."""
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    root = _shared_dir(f"pretrained-{family}-")
+    src = os.path.join(root, "src")
+    if dist.get_rank() == 0:
+        torch.manual_seed(seed)
+        build(family).save_pretrained(src)
+    dist.barrier()
+    return root, type(build(family)).from_pretrained(src)
+
+
+def pretrained_round_trip(config: dict, family: str, convert: bool = True) -> dict:
+    """save_pretrained -> load_hf (into the transformed model) -> export_hf -> from_pretrained:
+    {"error", "loaded_diff" (the transformed model vs from_pretrained of the saved folder),
+    "round_trip_diff" (from_pretrained of the export vs the same)}. `convert=False` (negative
+    control) skips transformers' key conversion, as load_hf did before."""
+    from smp.checkpointing import hf
+
+    original = hf._key_converter
+    if not convert:
+        hf._key_converter = lambda model: None
+    root = None
+    try:
+        with smp.session(config):
+            root, expected = _saved_folder(family)
+            reference = expected.state_dict()
+            torch.manual_seed(99)  # other values than the checkpoint's
+            model = smp.transform(build(family))
+            try:
+                smp.checkpointing.load_hf(os.path.join(root, "src"), model)
+            except smp.CheckpointError as e:
+                return {"error": str(e)}
+            loaded = _max_diff(model, reference)
+            smp.checkpointing.export_hf(os.path.join(root, "out"), model)
+            back = type(expected).from_pretrained(os.path.join(root, "out")).state_dict()
+            diff = max(float((back[n].float() - t.float()).abs().max()) if n in back else float("inf")
+                       for n, t in reference.items() if t.numel())
+            return {"error": "", "loaded_diff": loaded, "round_trip_diff": diff}
+    finally:
+        hf._key_converter = original
+        if root is not None:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(root, ignore_errors=True)
+
+
+# --- 3. a meta model filled from a pretrained folder ------------------------------------------
+
+def meta_load(config: dict, family: str, compute_buffers: bool = True) -> dict:
+    """`family` built on the meta device, `smp.transform(model, materialize=False)`, then
+    `load_hf` of a save_pretrained folder, vs `from_pretrained` of the same folder transformed:
+    {"error", "diff" (every parameter and buffer, persistent or not), "buffers" (names of the
+    non-persistent buffers compared)}. `compute_buffers=False` (negative control) leaves the
+    non-persistent buffers as `to_empty` memory."""
+    from smp.checkpointing import hf
+
+    original = hf._computed_buffers
+    if not compute_buffers:
+        hf._computed_buffers = lambda model: {}
+    root = None
+    try:
+        with smp.session(config):
+            root, expected = _saved_folder(family)
+            reference = smp.transform(expected)
+            with torch.device("meta"):
+                model = build(family)
+            try:
+                model = smp.transform(model, materialize=False)
+                smp.checkpointing.load_hf(os.path.join(root, "src"), model)
+            except smp.Error as e:
+                return {"error": f"{type(e).__name__}: {e}"}
+            ref = {n: full_tensor(t.detach()) for n, t in (*reference.named_parameters(), *reference.named_buffers())}
+            diff, buffers = 0.0, []
+            for name, t in (*model.named_parameters(), *model.named_buffers()):
+                full = full_tensor(t.detach())
+                if t.is_meta:
+                    return {"error": f"{name} left on the meta device"}
+                if name not in dict(model.state_dict()):
+                    buffers.append(name)
+                if full.numel():
+                    same = torch.equal(full, ref[name])
+                    diff = max(diff, 0.0 if same else float((full.double() - ref[name].double()).abs().max().nan_to_num(float("inf"))))
+            return {"error": "", "diff": diff, "buffers": sorted(buffers)}
+    finally:
+        hf._computed_buffers = original
+        if root is not None:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(root, ignore_errors=True)
