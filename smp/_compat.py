@@ -219,6 +219,18 @@ def apply_style(style: Any, module: nn.Module, device_mesh: Any) -> nn.Module:
     return style._apply(module, device_mesh)
 
 
+def style_io_functions(style: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(prepare_input_fn, prepare_output_fn) of a ColwiseParallel / RowwiseParallel style, the
+    input and output hooks its `_apply` passes to `distribute_module` (called with the layouts
+    first: `partial(fn, input_layouts, desired_input_layouts)`): `_prepare_input_fn` /
+    `_prepare_output_fn`, 2.9-2.14 (torch has no public name for them)."""
+    prepare_input = getattr(style, "_prepare_input_fn", None)
+    prepare_output = getattr(style, "_prepare_output_fn", None)
+    if prepare_input is None or prepare_output is None:
+        raise unsupported(f"a custom tensor-parallel style built on {type(style).__mro__[1].__name__}")
+    return prepare_input, prepare_output
+
+
 # ----------------------------------------------------------------------------------------------
 # torch.distributed: process groups, meshes, functional collectives
 # ----------------------------------------------------------------------------------------------
