@@ -445,3 +445,32 @@ def test_planted_config_file_is_refused_fast(tmp_path, plant):
         proc = subprocess.run([sys.executable, "-m", "smp", *command], capture_output=True, text=True,
                               env=env, timeout=120)
         assert proc.returncode == 2 and "smp.yaml" in proc.stderr and kind in proc.stderr, (command, proc.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_trainer_resumes_after_rank0_died_between_commit_and_trainer_state(ranks, tmp_path):
+    """Rank 0 writes trainer_state.json right after the commit; killed in between, it left a
+    committed checkpoint-N without it, and train(resume_from_checkpoint=True) raised on every
+    rank until a person picked an earlier checkpoint. The Trainer state is inside the commit
+    (`extra`): the file is restored from it and the run continues bitwise."""
+    import shutil
+
+    from tests import trainer_cases
+
+    first = ranks(2).run(trainer_cases.train, config={}, output_dir=str(tmp_path / "a"), save_steps=2)
+    for name, drop_commit in (("b", False), ("c", True)):
+        (tmp_path / name).mkdir()
+        copy = tmp_path / name / "checkpoint-2"
+        shutil.copytree(tmp_path / "a" / "checkpoint-2", copy)
+        (copy / "trainer_state.json").unlink()
+        (copy / "training_args.bin").unlink()
+        if drop_commit:
+            (copy / "smp_commit.json").unlink()
+    resumed = ranks(2).run(trainer_cases.train, config={}, output_dir=str(tmp_path / "b"), save_steps=2, resume=True)
+    assert resumed[0]["losses"] == first[0]["losses"]
+    for name, p in first[0]["params"].items():
+        assert torch.equal(p, resumed[0]["params"][name]), name
+    assert (tmp_path / "b" / "checkpoint-2" / "trainer_state.json").exists()
+    # Negative control: a folder whose save never committed is not trusted for its Trainer state.
+    with pytest.raises(Exception, match="has no trainer_state.json and it is not a committed smp checkpoint"):
+        ranks(2).run(trainer_cases.train, config={}, output_dir=str(tmp_path / "c"), save_steps=2, resume=True)

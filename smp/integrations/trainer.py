@@ -27,10 +27,12 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import smp
@@ -244,12 +246,22 @@ class SMPTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # train() calls this before the optimizer exists; smp loads model and optimizer together
-        # in _load_optimizer_and_scheduler. Here only what must hold before anything is built.
-        if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):
-            raise smp.CheckpointError(
-                f"{resume_from_checkpoint!r} has no {TRAINER_STATE_NAME}: it is not a checkpoint an smp Trainer wrote "
-                f"completely (rank 0 writes it right after the commit); resume from an earlier checkpoint"
-            )
+        # in _load_optimizer_and_scheduler. Here only what must hold before anything is built:
+        # the Trainer reads trainer_state.json next. Rank 0 writes that file right after the
+        # commit, so a rank 0 that died in between leaves a committed checkpoint without it; the
+        # state itself is inside the commit (`extra`, digested), and the file is rewritten from it.
+        state_file = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
+        problem = None
+        if smp.state.rank == 0 and not os.path.isfile(state_file):
+            try:
+                _restore_trainer_state(resume_from_checkpoint, state_file)
+            except smp.CheckpointError as e:
+                problem = str(e)
+        box = [problem]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)  # also the barrier: the file is there for all
+        if box[0]:
+            raise smp.CheckpointError(box[0])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -295,6 +307,38 @@ class SMPTrainerMixin:
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _restore_trainer_state(checkpoint: str, state_file: str) -> None:
+    """(rank 0) Write `trainer_state.json` of a committed smp checkpoint from the Trainer state
+    its commit holds (rank 0's `extra`, checked against its recorded digest first)."""
+    from smp.checkpointing import atomic, digest, metadata, safe_read
+
+    extra_file = "smp_extra/rank_0.pt"
+    why = None if atomic.is_committed(checkpoint) else "it is not a committed smp checkpoint"
+    if why is None:
+        meta = metadata.read(checkpoint)
+        files = meta.get("files") or {}
+        found = digest.problems(checkpoint, files, [extra_file], read=True) if extra_file in files else [
+            f"{extra_file} is not among its recorded files"]
+        why = "; ".join(found) or None
+    if why is None:
+        try:
+            saved = safe_read.read_extra(os.path.join(checkpoint, extra_file), allow_pickle=False)
+            fields = saved["extra"]["trainer_state"]
+            state = TrainerState(**{k: v for k, v in fields.items() if k in TrainerState.__dataclass_fields__})
+        except Exception as e:  # noqa: BLE001 - any unreadable or foreign extra
+            why = f"its Trainer state cannot be read ({type(e).__name__}: {e})"
+    if why is not None:
+        raise smp.CheckpointError(
+            f"{checkpoint!r} has no {TRAINER_STATE_NAME} and {why}; resume from another checkpoint "
+            f"(train(resume_from_checkpoint='<output_dir>/checkpoint-N'))"
+        )
+    log.warning("smp: %r has no %s (rank 0 stopped between the commit and writing it); restored it from "
+                "the Trainer state inside the committed checkpoint", checkpoint, TRAINER_STATE_NAME)
+    tmp = state_file + ".tmp"
+    state.save_to_json(tmp)
+    os.replace(tmp, state_file)
 
 
 class SMPTrainer(SMPTrainerMixin, Trainer):
