@@ -2,6 +2,21 @@
 
 smp rides on torch.distributed as torchrun sets it up (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT or a rendezvous); it never launches processes or opens connections itself.
+
+What a run owns. `smp.init` opens a session and `smp.shutdown` closes it; everything a run
+makes besides the config and the mesh (async-save jobs and their process group, the
+context-parallel setup, the watchdog, patches of other libraries, the checkpoint run id)
+belongs to that session, not to a module. A module declares a slot for its kind of object at
+import (`smp.scope.Slot`: allocates and registers nothing) and reaches the object through it:
+
+    _SAVES = Slot("async checkpoint saves", make=AsyncSaves, close=AsyncSaves.close)
+    _SAVES.get()      # this session's, made on first use; .peek() / .set(obj) / .clear()
+
+`shutdown` closes the session's objects (newest first, while the process group still works)
+and forgets them: the next session starts with none, so two sessions in one process never see
+each other's state. Outside a session (plain torch.distributed, `smp plan`) objects belong to
+the process's scope. Importing smp therefore registers no hook and patches nothing
+(tests/test_session_state.py).
 """
 
 from __future__ import annotations
@@ -18,9 +33,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from smp._compat import flatten_mesh
+from smp import scope as _scope
 from smp.config import ConfigError, ConfigSource, SMPConfig, load_config
 from smp.mesh import ParallelDims, default_backend, device_type_for
-from smp.reliability.guard import stop_watchdog
 from smp.reliability.rendezvous import restart_safe_store
 from smp.reliability.teardown import barrier_each, forget_mesh_groups, release_at_exit, release_unreferenced_groups
 from smp.reliability.timeouts import apply_collective_timeout, rendezvous_timeout
@@ -39,6 +54,7 @@ class _State:
     world_size: int
     local_rank: int
     owns_process_group: bool  # smp created it, so smp destroys it
+    scope: _scope.Scope  # what the session owns, closed by shutdown (see the module docstring)
 
     # Coordinates on the mesh, derived once (training loops read them every step).
     @cached_property
@@ -173,16 +189,28 @@ class _StateProxy:
 
 _STATE: _State | None = None
 state = _StateProxy()
-# What must finish while the process group still works, e.g. a pending async checkpoint save.
-# Registered by the modules that own such work, so that this module imports none of them.
-_SHUTDOWN_HOOKS: list[Callable[[], None]] = []
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    for hook in hooks:
+        hook()
+
+
+_HOOKS = _scope.Slot("shutdown hooks", make=list, close=_run_hooks)
 
 
 def register_shutdown_hook(hook: Callable[[], None]) -> None:
-    """Call `hook()` at the start of every `smp.shutdown`, before the process group goes (in
-    registration order; once per function however often registered). It must not raise."""
-    if hook not in _SHUTDOWN_HOOKS:
-        _SHUTDOWN_HOOKS.append(hook)
+    """Call `hook()` when the open session shuts down, before the process group goes (in
+    registration order; once per function however often registered). It must not raise.
+    Only for the open session: state a module keeps across calls belongs in a `Slot`."""
+    if _STATE is None:
+        raise RuntimeError("register_shutdown_hook: no smp session is open; call smp.init first")
+    hooks = _HOOKS.get()
+    if hook not in hooks:
+        hooks.append(hook)
+
+
+def shutdown_hooks() -> list[Callable[[], None]]:
+    """The hooks the open session will call at shutdown (none outside a session)."""
+    return list(_HOOKS.peek() or []) if _STATE is not None else []
 
 
 def is_initialized() -> bool:
@@ -263,6 +291,7 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
     _STATE = _State(
         config=cfg, dims=dims, mesh=mesh, dp_mesh=dp_mesh, device=device, backend=chosen_backend,
         rank=rank, world_size=world_size, local_rank=local_rank, owns_process_group=owns,
+        scope=_scope.open_session(f"session (rank {rank})"),
     )
     seed_everything(cfg.random_seed)
     return _STATE
@@ -282,10 +311,10 @@ def shutdown() -> None:
         return
     st, owns = _STATE, _STATE.owns_process_group
     mesh_groups = _mesh_groups(st)
-    for hook in _SHUTDOWN_HOOKS:
-        hook()
+    # The session's objects close first, newest first: a pending async save commits, the
+    # watchdog (which polls the store about to go) stops, patches of other libraries revert.
+    _scope.close_session(st.scope)
     _STATE = None
-    stop_watchdog()  # smp.step_guard's thread polls the store that is about to go
     if owns and dist.is_initialized():
         barrier_each(mesh_groups)
         dist.barrier()

@@ -10,7 +10,7 @@ from smp import runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
 from smp.compile import apply_compile
 from smp.config import MoEConfig, SMPConfig
-from smp.context_parallel import apply_context_parallel, deactivate as deactivate_context_parallel
+from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
@@ -18,8 +18,6 @@ from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_
 from smp.sharding.fsdp import torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
 from smp.tensor_parallel import apply_tensor_parallel
-
-runtime.register_shutdown_hook(deactivate_context_parallel)  # its process group goes at shutdown
 
 
 def transform(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 
 import torch
 from torch import nn
@@ -12,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import smp
 import smp.expert_parallel.dispatch as dispatch_module
+import smp.expert_parallel.load_balancing as load_balancing
 from smp.expert_parallel import expert_load, global_load_balancing_loss, is_expert_parallel
 from smp.metrics import ExpertLoadMeter
 from smp.tensor_parallel import causal_lm_loss
@@ -214,16 +214,20 @@ def equivalence(config: dict, kind: str, steps: int = 3, corrupt: str | None = N
         model = smp.transform(copy.deepcopy(reference), moe_config=_user_moe(kind))
         if corrupt:
             dispatch_module._exchange = _corrupt(corrupt)
-        modeling = sys.modules[type(reference).__module__]
-        reduced = getattr(modeling, "load_balancing_loss_func", None)
-        if per_rank_aux:
-            modeling.load_balancing_loss_func = reduced._smp_original
+        if per_rank_aux:  # smp's function, without the sum over ranks: transformers' value per rank
+            load_balancing.global_load_balancing_loss = _per_rank_loss
         try:
             return _train_and_compare(model, reference, kind, steps)
         finally:
             dispatch_module._exchange = _ORIGINAL_EXCHANGE
-            if per_rank_aux:
-                modeling.load_balancing_loss_func = reduced
+            load_balancing.global_load_balancing_loss = _GLOBAL_LOSS
+
+
+_GLOBAL_LOSS = load_balancing.global_load_balancing_loss
+
+
+def _per_rank_loss(*args, group=None, **kwargs):
+    return _GLOBAL_LOSS(*args, **kwargs)
 
 
 _ORIGINAL_EXCHANGE = dispatch_module._exchange

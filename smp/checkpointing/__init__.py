@@ -8,7 +8,8 @@ and Hugging Face safetensors export/import.
 
 This is the public entry point: `save` and `export_hf` read smp's run (when `smp.init` ran)
 here and pass it to sharded.py / hf.py as plain values; those work under any torch.distributed
-process group and never read smp's global state.
+process group and never read smp's global state. Async saves belong to the session
+(async_save.py): smp.shutdown commits a pending one before the process group goes.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ from smp.errors import CheckpointError
 from smp.mesh import ParallelDims
 
 __all__ = ["CheckpointError", "export_hf", "latest", "load", "load_hf", "save", "wait"]
-
-# A pending async save commits before smp.shutdown destroys the process group.
-runtime.register_shutdown_hook(sharded.wait_at_shutdown)
 
 
 def _dims() -> ParallelDims | None:

@@ -1,5 +1,6 @@
 """Background (async) saves: the gloo group their collectives run on, the thread that commits
-them, and the pending job that `wait()` finishes, held by one `AsyncSaves` object.
+them, and the pending job that `wait()` finishes, held by one `AsyncSaves` object that the
+session owns (smp/scope.py): `smp.shutdown` closes it, committing a pending save first.
 
 What a job does (DCP's upload, digests, commit) is sharded.py's; this module only runs it off
 the training thread and reports its outcome on every rank.
@@ -15,8 +16,10 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from smp._compat import group_is_alive
 from smp.checkpointing.collective import is_dist, rank, world
 from smp.errors import CheckpointError
+from smp.scope import Slot
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class AsyncSaves:
         group. `timeout_seconds` applies when the group is made (None: torch's default)."""
         if not is_dist():
             return None
-        default = dist.distributed_c10d._get_default_group()
+        default = dist.group.WORLD
         if self._group is None or self._group_world is not default:  # new process group since
             timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
             self._group, self._group_world = dist.new_group(backend="gloo", timeout=timeout), default
@@ -80,18 +83,29 @@ class AsyncSaves:
             self.wait()
         except BaseException as e:  # noqa: BLE001
             log.error("smp.checkpointing: the pending async save failed and was not committed: %s", e)
+        if self._executor is not None:  # idle after wait(): its thread ends now, not at exit
+            self._executor.shutdown(wait=True)
+            self._executor = None
         # A reference kept here would keep the group, and its gloo threads, alive into
         # interpreter finalization (see smp/reliability/teardown.py). The next session's first
         # async save makes a new one. After wait(), no rank has work left on it: destroying it
         # needs no peer.
         group, self._group, self._group_world = self._group, None, None
-        if group is not None and is_dist() and group in dist.distributed_c10d._world.pg_map:
+        if group is not None and is_dist() and group_is_alive(group):
             dist.destroy_process_group(group)
 
 
-_saves = AsyncSaves()
+_SAVES: Slot[AsyncSaves] = Slot("async checkpoint saves", make=AsyncSaves, close=AsyncSaves.close)
 
 
 def saves() -> AsyncSaves:
-    """The AsyncSaves that save, load and wait use."""
-    return _saves
+    """The open session's AsyncSaves (outside a session, the process's), made on first use."""
+    return _SAVES.get()
+
+
+def wait() -> None:
+    """Finish a pending async save (collective when one is pending); re-raise its error.
+    The open session's save (outside a session, the process's)."""
+    jobs = _SAVES.peek()
+    if jobs is not None:
+        jobs.wait()

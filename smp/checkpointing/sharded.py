@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from smp.checkpointing import atomic, digest, inline_digest, metadata, rng, safe_read, save_errors, verify
-from smp.checkpointing.async_save import saves
+from smp.checkpointing.async_save import saves, wait
 from smp.checkpointing.collective import agree, is_dist, on_rank0, rank, world
 from smp.checkpointing.save_errors import disk_full_or, is_disk_full, save_error
 from smp.errors import CheckpointError
@@ -243,22 +243,6 @@ def _start_async(
     jobs.submit(finish, tmp)
 
 
-def wait() -> None:
-    """Finish a pending async save (collective when one is pending); re-raise its error."""
-    saves().wait()
-
-
-def wait_at_shutdown() -> None:
-    """`smp.shutdown` calls this: commit a pending async save before the process group goes
-    (a failure is logged, not raised) and release the async save's group."""
-    saves().close()
-
-
-def _get_async_group(timeout_seconds: float | None) -> dist.ProcessGroup | None:
-    """The async saves' own gloo group (smp.sagemaker's async_save runs on it too)."""
-    return saves().group(timeout_seconds)
-
-
 def _empty_copy(state: Any) -> Any:
     """A state dict of the same structure with new tensors (same shapes, dtypes, shardings):
     DCP loads into it, so that a failed load leaves the live model and optimizer untouched."""
@@ -275,7 +259,7 @@ def _empty_copy(state: Any) -> Any:
 
 def load(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-    *, allow_pickle: bool = False,
+    *, allow_pickle: bool = False, allow_unverified: bool = False,
 ) -> Any:
     """Load a checkpoint into an (already transformed) model and optimizer; return `extra`.
 
@@ -289,6 +273,11 @@ def load(
     tuples and dicts (or classes allowed with `torch.serialization.add_safe_globals`); other
     objects need `allow_pickle=True`, which unpickles `extra` as torch.load does and so runs
     whatever code the file names: pass it only for checkpoints you wrote.
+
+    A checkpoint saved before smp recorded file digests (`smp_meta.json` format_version 1, no
+    `files`) cannot be verified: damaged bytes in it would load silently. It is refused unless
+    `allow_unverified=True`, which loads it unchecked: pass it only for a checkpoint you trust,
+    and save it again to give it digests.
     """
     wait()
     if path is None:
@@ -302,7 +291,7 @@ def load(
     shapes = metadata.tensor_shapes(get_model_state_dict(model))
     metadata.check_compatible(meta["params"], shapes, f"checkpoint {path!r}")
     metadata.check_optimizer(meta, optimizer, f"checkpoint {path!r}")
-    verify.verify_structure(path, meta)
+    verify.verify_structure(path, meta, allow_unverified)
     saved_extra, own_rng = _read_extra(path, meta, allow_pickle)
     fresh_optimizer = optimizer is not None and not optimizer.state
     # DCP reads into a copy of the state; the digests of this rank's files are taken from the

@@ -1,7 +1,8 @@
 """`smp.context_parallel.attention(q, k, v, causal=True)`: attention that sees the whole sequence
 while each cp rank holds only its chunks of it.
 
-`apply_context_parallel` (smp.transform) activates it for the process; `smp.shutdown` clears it.
+`apply_context_parallel` (smp.transform) activates it for the session (smp/scope.py), so that
+`smp.shutdown`, which destroys its process group, forgets it too.
 Without an active setup (cp = 1, or a model that was not transformed) it is plain local attention,
 so a model that calls it runs unchanged in one process.
 """
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from smp.context_parallel.allgather import allgather_attention
 from smp.context_parallel.ring import ring_attention
 from smp.context_parallel.sharding import chunk_segments
+from smp.scope import Slot
 
 ALGORITHMS = {"ring": ring_attention, "allgather": allgather_attention}
 
@@ -32,22 +34,21 @@ class ContextParallelSetup:
     probing: bool = field(default=False)  # the meta-device probe runs (smp/context_parallel/probe.py)
 
 
-_ACTIVE: ContextParallelSetup | None = None
+_SETUP: Slot[ContextParallelSetup] = Slot("context parallel setup")
 
 
 def activate(setup: ContextParallelSetup) -> None:
-    global _ACTIVE
-    _ACTIVE = setup
+    _SETUP.set(setup)
 
 
 def deactivate() -> None:
-    """Forget the setup (its process group is about to go): registered as a shutdown hook."""
-    global _ACTIVE
-    _ACTIVE = None
+    """Forget the setup (its process group is about to go). smp.shutdown forgets it with the
+    session; `smp plan`, which runs outside one, calls this."""
+    _SETUP.clear()
 
 
 def active() -> ContextParallelSetup | None:
-    return _ACTIVE
+    return _SETUP.peek()
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool = True,
@@ -62,7 +63,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, ca
     if heads % kv_heads:
         raise ValueError(f"attention: {heads} query heads is not a multiple of {kv_heads} key/value heads")
     scale = dim ** -0.5 if scale is None else scale
-    setup = _ACTIVE
+    setup = _SETUP.peek()
     if setup is None:
         return _local_attention(query, key, value, causal, scale, sliding_window, key_padding_mask)
     setup.calls += 1

@@ -17,11 +17,16 @@ is split. smp replaces a family's `load_balancing_loss_func` only after checking
 formula above (its signature, and its value on random router logits with and without a mask);
 a family whose function is another formula (Doge's product-key experts, Switch Transformers'),
 or a batch split over context-parallel ranks, is refused when the loss would be computed.
+
+The replacement is scoped to the transformed model: its forward pre-hook puts smp's function
+into the family's modeling module and its forward hook (always called, also on an exception)
+puts back what was there. Outside that forward, every other model of the family (a reference
+copy, a model of another session) calls transformers' own function, and importing smp or
+transforming a model leaves transformers' module as it was.
 """
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import sys
 from typing import Any, Callable
@@ -33,12 +38,6 @@ from torch import nn
 from smp._compat import all_gather_autograd
 from smp.errors import ConfigError
 
-# While a transformed model's forward runs: the group its router statistics are summed over, or
-# why they cannot be (a message; the loss function raises it). Any other model (a reference
-# copy) sees None and gets the original function.
-_ACTIVE_GROUP: contextvars.ContextVar[dist.ProcessGroup | str | None] = contextvars.ContextVar(
-    "smp_moe_group", default=None
-)
 _STANDARD_ARGS = ["gate_logits", "num_experts", "top_k", "attention_mask"]
 
 
@@ -87,25 +86,11 @@ def global_load_balancing_loss(
     return torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * num_experts
 
 
-def _reduced(original: Callable[..., Any]) -> Callable[..., Any]:
-    def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
-        group = _ACTIVE_GROUP.get()
-        if group is None:
-            return original(*args, **kwargs)
-        if isinstance(group, str):
-            raise ConfigError(group)
-        return global_load_balancing_loss(*args, **kwargs, group=group)
-
-    load_balancing_loss_func._smp_original = original  # type: ignore[attr-defined]
-    return load_balancing_loss_func
-
-
 def is_standard_loss(function: Callable[..., Any]) -> bool:
     """`function` is transformers' Switch-Transformer load-balancing loss: the signature
     (gate_logits, num_experts, top_k, attention_mask) and the value of
     `global_load_balancing_loss` without a group, on random router logits of 2 layers with and
     without an attention mask (a private generator: the caller's random stream is untouched)."""
-    function = getattr(function, "_smp_original", function)
     try:
         params = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
@@ -129,20 +114,27 @@ def is_standard_loss(function: Callable[..., Any]) -> bool:
     return True
 
 
-class _GroupDuringForward:
-    """Forward hooks that make `group` (or a refusal message) the active one while the model's
-    forward runs."""
+class _ReducedDuringForward:
+    """Forward hooks that make `modeling.load_balancing_loss_func` smp's reduction over `group`
+    (or, when `group` is a message, a function that raises it) while the model's forward runs,
+    and put back what was there afterwards (nested forwards restore in order)."""
 
-    def __init__(self, group: dist.ProcessGroup | str) -> None:
-        self.group = group
-        self.tokens: list[contextvars.Token] = []
+    def __init__(self, modeling: Any, group: dist.ProcessGroup | str) -> None:
+        self.modeling, self.group = modeling, group
+        self.saved: list[Callable[..., Any]] = []
+
+    def load_balancing_loss_func(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.group, str):
+            raise ConfigError(self.group)
+        return global_load_balancing_loss(*args, **kwargs, group=self.group)
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        self.tokens.append(_ACTIVE_GROUP.set(self.group))
+        self.saved.append(self.modeling.load_balancing_loss_func)
+        self.modeling.load_balancing_loss_func = self.load_balancing_loss_func
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.tokens:
-            _ACTIVE_GROUP.reset(self.tokens.pop())
+        if self.saved:
+            self.modeling.load_balancing_loss_func = self.saved.pop()
 
 
 def apply_load_balancing(
@@ -192,8 +184,6 @@ def apply_load_balancing(
         )
         if getattr(hf_config, "output_router_logits", False):
             raise ConfigError(unsupported)
-    if not hasattr(original, "_smp_original"):
-        modeling.load_balancing_loss_func = _reduced(original)
-    hooks = _GroupDuringForward(unsupported if unsupported is not None else token_group)
+    hooks = _ReducedDuringForward(modeling, unsupported if unsupported is not None else token_group)
     model.register_forward_pre_hook(hooks.enter)
     model.register_forward_hook(hooks.exit, always_call=True)

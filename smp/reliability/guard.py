@@ -24,6 +24,7 @@ The cost is one store read per rank every `POLL_SECONDS` (no per-step traffic).
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import sys
@@ -38,6 +39,7 @@ from smp._compat import default_store
 from smp.errors import CheckpointError, ConfigError, PeerFailure, PlanError
 from smp.reliability.census import answer_census, local_pid, process_state, publish_process, take_census
 from smp.reliability.finite import NonFiniteGradientError
+from smp.scope import Slot
 
 logger = logging.getLogger("smp.reliability")
 
@@ -76,7 +78,8 @@ _PLAIN_RUNTIME_ERROR_TEXT = ("gloo", "NCCL", "Connection closed by peer", "Conne
 
 
 class _Watch:
-    """Per-process state shared by step_guard (main thread) and the watchdog thread."""
+    """What step_guard (main thread) and the watchdog thread share: one per session
+    (smp/scope.py), so smp.shutdown stops the thread before the store it polls goes."""
 
     def __init__(self) -> None:
         self.step: int | None = None
@@ -84,38 +87,50 @@ class _Watch:
         self.thread: threading.Thread | None = None
         self.store: dist.Store | None = None
         self.pg_id: int | None = None  # id() of the process group watched
-        self.generation = 0  # process groups watched so far in this process
         self.stop = threading.Event()
         # pid of the store's host (rank 0) when it runs on this host: once it is dead, no store
         # call is made (each would fail, and torch logs every failure with a C++ stack dump).
         self.store_host_pid: int | None = None
 
+    def stop_thread(self) -> None:
+        self.stop.set()
+        thread, self.thread = self.thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5 * POLL_SECONDS)
+        self.store, self.pg_id = None, None
+        atexit.unregister(self.stop_thread)
 
-_WATCH = _Watch()
+
+_WATCH: Slot[_Watch] = Slot("step_guard watchdog", make=_Watch, close=_Watch.stop_thread)
+# Numbers the process groups watched in this process, for their store prefix: every rank watches
+# the same groups in the same order, so every rank draws the same number (an id allocator, not
+# run state: a new session must not reuse a prefix whose failure record may still be there).
+_GENERATION = itertools.count(1)
 
 
 class _StoreHostDied(Exception):
     pass
 
 
-def _raise_if_store_host_died() -> None:
-    if _store_host_died():
+def _raise_if_store_host_died(watch: _Watch) -> None:
+    if _store_host_died(watch):
         raise _StoreHostDied()
 
 
-def _store_host_died() -> bool:
+def _store_host_died(watch: _Watch) -> bool:
     """Whether the store's host is known dead (rank 0 of this host, without torchrun's store)."""
-    if _WATCH.store_host_pid is None and _WATCH.store is not None and not _agent_hosts_store():
+    if watch.store_host_pid is None and watch.store is not None and not _agent_hosts_store():
         try:
-            _WATCH.store_host_pid = local_pid(_WATCH.store, 0)
+            watch.store_host_pid = local_pid(watch.store, 0)
         except Exception:  # noqa: BLE001 - not published yet, or the store is already gone
             return False
-    return _WATCH.store_host_pid is not None and process_state(_WATCH.store_host_pid) in (None, "Z", "X")
+    return watch.store_host_pid is not None and process_state(watch.store_host_pid) in (None, "Z", "X")
 
 
 def current_step() -> int | None:
-    """The step of the innermost `step_guard` this process entered, or None."""
-    return _WATCH.step
+    """The step of the innermost `step_guard` this session entered, or None."""
+    watch = _WATCH.peek()
+    return None if watch is None else watch.step
 
 
 @contextmanager
@@ -133,17 +148,18 @@ def step_guard(step: int) -> Iterator[None]:
     and exits with status `PEER_FAILURE_EXIT_CODE` within about a second. Works with any
     torch.distributed process group (smp.init's or the user's); a no-op wrapper without one.
     """
-    _WATCH.step = step
+    watch = _WATCH.get()
+    watch.step = step
     if dist.is_initialized() and dist.get_world_size() > 1:
-        _ensure_watchdog()
-        if _WATCH.store_host_pid is None:
-            _store_host_died()  # learns the host's pid (once published), should the watchdog be starved
+        _ensure_watchdog(watch)
+        if watch.store_host_pid is None:
+            _store_host_died(watch)  # learns the host's pid (once published), should the watchdog be starved
     try:
         yield
     except _AGREED_ERRORS:
         raise
     except BaseException as exc:
-        _handle_failure(exc, step)
+        _handle_failure(watch, exc, step)
         raise
 
 
@@ -151,7 +167,7 @@ def step_guard(step: int) -> Iterator[None]:
 # Failing rank
 
 
-def _handle_failure(exc: BaseException, step: int) -> None:
+def _handle_failure(watch: _Watch, exc: BaseException, step: int) -> None:
     """Report `exc` to every rank; raise PeerFailure if another rank failed first."""
     if not dist.is_initialized():
         _note(exc, f"smp: failed at step {step}")
@@ -161,18 +177,18 @@ def _handle_failure(exc: BaseException, step: int) -> None:
     if world == 1:
         _note(exc, "smp: " + own)
         return
-    _ensure_watchdog()
-    _WATCH.handling = True
-    store = _WATCH.store
+    _ensure_watchdog(watch)
+    watch.handling = True
+    store = watch.store
     alive_others = world - 1
     try:
-        _raise_if_store_host_died()
+        _raise_if_store_host_died(watch)
         record = _read_record(store)
         if record is None and _is_collective_error(exc):
             # A peer may be writing its own record right now: give it one poll period, then
             # find out who is gone or stuck, so the record does not blame this rank.
             time.sleep(POLL_SECONDS)
-            _raise_if_store_host_died()
+            _raise_if_store_host_died(watch)
             record = _read_record(store)
             if record is None:
                 findings, alive_others = take_census(store, rank, world, step)
@@ -289,50 +305,45 @@ def _is_collective_error(exc: BaseException) -> bool:
 # Watchdog (every rank)
 
 
-def _ensure_watchdog() -> None:
+def _ensure_watchdog(watch: _Watch) -> None:
     pg = dist.group.WORLD
-    if _WATCH.pg_id == id(pg):
+    if watch.pg_id == id(pg):
         return  # watching this group already (or its store is gone: nothing to restart)
-    stop_watchdog()
-    _WATCH.generation += 1
+    watch.stop_thread()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"smp/reliability/{restart}/{_WATCH.generation}/"
-    _WATCH.store = dist.PrefixStore(prefix, default_store())
-    publish_process(_WATCH.store, dist.get_rank())  # lets a census tell frozen from dead
-    _WATCH.pg_id = id(pg)
-    _WATCH.handling = False
-    _WATCH.store_host_pid = None
-    _WATCH.stop = threading.Event()
-    _WATCH.thread = threading.Thread(
-        target=_watch, args=(_WATCH.store, dist.get_rank(), _WATCH.stop), name="smp-watchdog", daemon=True
+    prefix = f"smp/reliability/{restart}/{next(_GENERATION)}/"
+    watch.store = dist.PrefixStore(prefix, default_store())
+    publish_process(watch.store, dist.get_rank())  # lets a census tell frozen from dead
+    watch.pg_id = id(pg)
+    watch.handling = False
+    watch.store_host_pid = None
+    watch.stop = threading.Event()
+    watch.thread = threading.Thread(
+        target=_watch, args=(watch, watch.store, dist.get_rank(), watch.stop), name="smp-watchdog", daemon=True
     )
-    _WATCH.thread.start()
+    watch.thread.start()
+    atexit.register(watch.stop_thread)  # never leave it inside a store call during interpreter teardown
 
 
 def stop_watchdog() -> None:
-    """Stop this process's watchdog (smp.shutdown calls it before the process group goes)."""
-    _WATCH.stop.set()
-    thread, _WATCH.thread = _WATCH.thread, None
-    if thread is not None and thread is not threading.current_thread():
-        thread.join(timeout=5 * POLL_SECONDS)
-    _WATCH.store, _WATCH.pg_id = None, None
+    """Stop this session's watchdog (smp.shutdown stops it, with the session)."""
+    watch = _WATCH.peek()
+    if watch is not None:
+        watch.stop_thread()
 
 
-atexit.register(stop_watchdog)  # never leave it inside a store call during interpreter teardown
-
-
-def _watch(store: dist.Store, rank: int, stop: threading.Event) -> None:
+def _watch(watch: _Watch, store: dist.Store, rank: int, stop: threading.Event) -> None:
     answered_census = False
     while not stop.is_set():
         try:
-            if _store_host_died():
+            if _store_host_died(watch):
                 return  # the collectives now fail fast too; the main thread reports it
-            answered_census = answered_census or answer_census(store, rank, _WATCH.step)
-            if not _WATCH.handling and store.check([FAILURE_KEY]):
+            answered_census = answered_census or answer_census(store, rank, watch.step)
+            if not watch.handling and store.check([FAILURE_KEY]):
                 record = store.get(FAILURE_KEY).decode()
                 _acknowledge(store, rank)
                 _wait_for_failing_rank_to_exit(store)
-                _stop_process(_stopping_message(rank, _WATCH.step, record))
+                _stop_process(_stopping_message(rank, watch.step, record))
         except Exception:  # noqa: BLE001
             # The store is gone: a normal shutdown on rank 0, or the launcher exited. Either way
             # the collectives themselves now fail fast; nothing left to watch.

@@ -8,28 +8,17 @@ not implement raises NotSupportedBySmp (a NotImplementedError) naming the sectio
 docs/migrating-from-smp-v2.md that says what to use instead.
 """
 
-from smp.runtime import is_initialized, register_shutdown_hook, state
+from smp.runtime import is_initialized, state
 from smp.sagemaker import delayed_param, distributed, grad_norm, logger, moe, nn, utils
 from smp.sagemaker._guide import MigrationError, NotSupportedBySmp, unsupported_module_getattr
 from smp.sagemaker._session import SMPv2DifferenceWarning, init
 from smp.sagemaker._transform import transform
-from smp.sagemaker.distributed.checkpoint import state_dict_saver
 
 __all__ = [
     "MigrationError", "NotSupportedBySmp", "SMPv2DifferenceWarning", "delayed_param", "distributed",
     "grad_norm", "init", "is_initialized", "logger", "moe", "nn", "state", "transform", "utils",
 ]
 
-
-def _finish_async_saves() -> None:
-    """Shutdown hook: pending async saves finish while the process group still works."""
-    try:
-        state_dict_saver.maybe_finalize_async_calls(blocking=True)
-    except Exception as e:  # noqa: BLE001 - shutdown must finish; the failure is reported
-        logger.get_logger().error("smp.sagemaker: a pending async_save failed: %s", e)
-
-
-register_shutdown_hook(_finish_async_saves)
 
 __getattr__ = unsupported_module_getattr(
     "torch.sagemaker", "names", "the guide's table lists every SMP v2 name with its smp equivalent"

@@ -3,11 +3,13 @@ maybe_finalize_async_calls on torch.distributed.checkpoint.
 
 Every rank that holds part of the state dict calls save (DCP deduplicates replicated tensors).
 An async save runs its collectives on a gloo group of its own (smp.checkpointing's), so they
-never interleave with the training step's; `maybe_finalize_async_calls` is SMP's queue of them.
+never interleave with the training step's; `maybe_finalize_async_calls` is SMP's queue of them,
+which the session owns (smp/scope.py): smp.shutdown finishes what is still pending.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import Future
 from typing import Any
@@ -17,13 +19,30 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
 import smp
-from smp.checkpointing.sharded import _get_async_group
+from smp.checkpointing.async_save import saves
 from smp.sagemaker._guide import not_supported
 from smp.sagemaker.distributed.checkpoint._options import check_smp_options
+from smp.scope import Slot
 
-# (call index, future) of each async save not yet finalized, oldest first.
-_pending: list[tuple[int, Future]] = []
-_next_index = 0
+log = logging.getLogger("smp.sagemaker")
+
+
+class _AsyncCalls:
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, Future]] = []  # (call index, future) not yet finalized, oldest first
+        self.next_index = 0
+
+    def finish(self) -> None:
+        """At smp.shutdown: pending async saves finish while the process group still works."""
+        try:
+            for _, future in self.pending:
+                future.result()
+        except Exception as e:  # noqa: BLE001 - shutdown must finish; the failure is reported
+            log.error("smp.sagemaker: a pending async_save failed: %s", e)
+        self.pending.clear()
+
+
+_CALLS: Slot[_AsyncCalls] = Slot("smp.sagemaker async_save calls", make=_AsyncCalls, close=_AsyncCalls.finish)
 
 
 def save(
@@ -67,7 +86,6 @@ def async_save(
 ) -> int:
     """`save` that returns once the state is copied to host memory; storage writes finish in
     the background. Returns the call's index (what maybe_finalize_async_calls reports)."""
-    global _next_index
     if queue is not None or sharded_strategy is not None:
         not_supported("async_save(queue=..., sharded_strategy=...)", "checkpoints",
                       "smp keeps one queue of async saves on DCP; drop both arguments")
@@ -75,12 +93,13 @@ def async_save(
                       s3client_config, storage_writer is not None)
     if process_group is None and dist.is_initialized():
         timeout = smp.state.config.collective_timeout_seconds if smp.is_initialized() else None
-        process_group = _get_async_group(timeout)
+        process_group = saves().group(timeout)
     future = dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
                             planner=planner, process_group=process_group,
                             no_dist=not dist.is_initialized())
-    index, _next_index = _next_index, _next_index + 1
-    _pending.append((index, future))
+    calls = _CALLS.get()
+    index, calls.next_index = calls.next_index, calls.next_index + 1
+    calls.pending.append((index, future))
     return index
 
 
@@ -88,14 +107,15 @@ def maybe_finalize_async_calls(blocking: bool = True, process_group: dist.Proces
     """Finish async saves: all of them (`blocking`), else those done on every rank of
     `process_group` (default: all ranks; call it on all of them). Returns their indices and
     re-raises a failed save's error."""
-    count = len(_pending)
+    pending = _CALLS.get().pending
+    count = len(pending)
     if not blocking:
-        count = next((i for i, (_, f) in enumerate(_pending) if not f.done()), len(_pending))
+        count = next((i for i, (_, f) in enumerate(pending) if not f.done()), len(pending))
         if dist.is_initialized():  # finalize only what every rank finished: the same calls everywhere
             agreed = [None] * dist.get_world_size(process_group)
             dist.all_gather_object(agreed, count, group=process_group)
             count = min(agreed)
-    finished, _pending[:] = _pending[:count], _pending[count:]
+    finished, pending[:] = pending[:count], pending[count:]
     for _, future in finished:
         future.result()
     return [index for index, _ in finished]

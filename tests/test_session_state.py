@@ -1,0 +1,163 @@
+"""State belongs to the session: `import smp` registers and patches nothing; what one
+`smp.session` sets up (async saves and their group, the context-parallel setup, the watchdog,
+the scoped patch of transformers' MoE load-balancing loss) is closed by its shutdown and never
+seen by the next session. Each check has its negative control beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import smp
+from smp import scope
+from smp.checkpointing import async_save
+from smp.context_parallel.attention import activate as activate_cp, active as active_cp, deactivate as deactivate_cp
+from smp.reliability import guard
+from tests import session_state_cases as cases
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Imports every smp module in a fresh interpreter, after transformers' MoE modules and torch's
+# FSDP, and reports what smp changed: hooks, objects, atexit handlers, threads, patched names.
+_IMPORT_EVERYTHING = textwrap.dedent("""
+    import atexit, importlib, json, pkgutil, sys, threading
+    import torch.distributed.fsdp as fsdp
+    import transformers
+    from transformers import AttentionInterface
+    MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "switch_transformers", "doge"]
+    modeling = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in MOE]
+    before = {m.__name__: m.load_balancing_loss_func for m in modeling}
+    fsdp1_init = fsdp.FullyShardedDataParallel.__init__
+    threads = threading.active_count()
+    registered = []  # atexit handlers registered from here on (third-party imports add their own)
+    _register = atexit.register
+    atexit.register = lambda fn, *a, **k: (registered.append(getattr(fn, "__module__", None) or ""), _register(fn, *a, **k))[1]
+    attention = set(AttentionInterface._global_mapping)
+    {extra}
+    import smp
+    failed = {}
+    for info in pkgutil.walk_packages(smp.__path__, "smp."):
+        if info.name.endswith("__main__"):  # `python -m smp`: runs the CLI
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError as e:  # an optional dependency that is not installed here
+            failed[info.name] = str(e)
+    from smp import runtime, scope
+    print(json.dumps({
+        "hooks": [repr(h) for h in runtime.shutdown_hooks()],
+        "process_objects": [s.name for s in scope.process().objects],
+        "sessions": len(scope._SESSIONS),
+        "atexit_added": sorted(m for m in registered if m.split(".")[0] in ("smp", "__main__")),
+        "threads_added": threading.active_count() - threads,
+        "patched": sorted(m.__name__ for m in modeling if m.load_balancing_loss_func is not before[m.__name__]),
+        "fsdp1_patched": fsdp.FullyShardedDataParallel.__init__ is not fsdp1_init,
+        "attention_added": sorted(set(AttentionInterface._global_mapping) - attention),
+        "import_failed": failed,
+    }))
+""")
+
+
+def _import_report(extra: str = "") -> dict:
+    code = _IMPORT_EVERYTHING.replace("{extra}", extra)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_registers_nothing_and_patches_nothing():
+    report = _import_report()
+    assert report == {
+        "hooks": [], "process_objects": [], "sessions": 0, "atexit_added": [], "threads_added": 0,
+        "patched": [], "fsdp1_patched": False, "attention_added": [], "import_failed": report["import_failed"],
+    }, report
+    # Every module imported (an optional dependency missing here would be named).
+    assert not report["import_failed"], report["import_failed"]
+
+
+def test_import_check_catches_a_patch_and_a_hook():
+    """Negative control: an import that patches transformers' MoE loss and registers an atexit
+    handler (what smp's import used to do) is reported."""
+    report = _import_report(extra=(
+        "modeling[0].load_balancing_loss_func = lambda *a, **k: 0; atexit.register(lambda: None)"
+    ))
+    assert report["patched"] == ["transformers.models.mixtral.modeling_mixtral"], report
+    assert report["atexit_added"] == ["__main__"], report
+
+
+def test_sessions_own_their_objects():
+    """One process, two world-1 sessions: each has its own async-save object, watchdog state and
+    context-parallel slot; shutdown closes the first's (its commit thread ends)."""
+    with smp.session({}):
+        saves = async_save.saves()
+        saves.submit(lambda: None, "unused")
+        with smp.step_guard(3):
+            assert guard.current_step() == 3
+        activate_cp("a stand-in setup")  # any object: nothing reads it here
+        assert active_cp() == "a stand-in setup"
+        assert {s.name for s in scope.current().objects} >= {"async checkpoint saves", "step_guard watchdog",
+                                                             "context parallel setup"}
+    assert saves._executor is None and saves._pending is None  # closed: waited, thread ended
+    assert active_cp() is None and guard.current_step() is None
+    with smp.session({}):
+        assert async_save.saves() is not saves
+        assert active_cp() is None and guard.current_step() is None
+    assert not scope.process().objects
+
+
+def test_a_slot_outside_a_session_is_the_process_scope():
+    """Negative control for the test above: outside a session an object lives in the process
+    scope, and a session does not close it (and does not see it)."""
+    activate_cp("process-wide")
+    try:
+        with smp.session({}):
+            assert active_cp() is None
+        assert active_cp() == "process-wide"
+    finally:
+        deactivate_cp()
+    assert not scope.process().objects
+
+
+def test_register_shutdown_hook_needs_a_session():
+    calls = []
+    with pytest.raises(RuntimeError, match="no smp session is open"):
+        smp.runtime.register_shutdown_hook(lambda: calls.append(1))
+    with smp.session({}):
+        smp.runtime.register_shutdown_hook(lambda: calls.append(2))
+        assert len(smp.runtime.shutdown_hooks()) == 1
+    assert calls == [2] and smp.runtime.shutdown_hooks() == []
+
+
+def test_moe_loss_patch_is_scoped_to_the_transformed_model(ranks):
+    """Two sessions at dp 2 in one process, the first with a transformed tiny Mixtral (its
+    load-balancing loss summed over the ranks), the second with a transformed dense Llama and an
+    untransformed Mixtral: only the transformed Mixtral's forward sees smp's function; transformers'
+    module holds its own function outside that forward, during and after both sessions; the
+    second session's Mixtral computes transformers' per-rank value (equal to the untransformed
+    copy's in the first session, bitwise)."""
+    for r in ranks(2).run(cases.moe_patch_isolation, timeout=300):
+        assert r["s1_transformed_saw_smp"] and r["s1_transformed_is_smp"], r
+        assert r["s1_reference_saw_transformers"] and r["s2_mixtral_saw_transformers"], r
+        assert not r["s1_patched_after_transform"] and not r["s1_patched_between_forwards"], r
+        assert not r["patched_after_sessions"], r
+        assert r["s2_aux"] == r["s1_reference_aux"], r
+
+
+def test_moe_patch_leak_is_caught(ranks):
+    """Negative control: smp's function left in transformers' module after the first session (a
+    process-wide patch) is seen by the second session's Mixtral and reported."""
+    for r in ranks(2).run(cases.moe_patch_isolation, leak=True, timeout=300):
+        assert not r["s2_mixtral_saw_transformers"] and r["patched_after_sessions"], r
+
+
+def test_session_objects_close_with_the_session(ranks):
+    """At world 2: the first session's async-save group is destroyed by its shutdown and its
+    context-parallel setup is gone; the second session (and code outside any) sees neither."""
+    for r in ranks(2).run(cases.scoped_objects, timeout=300):
+        assert r == {"s1_cp_active": True, "s1_group_destroyed": True, "s2_cp_active": False,
+                     "s2_same_saves": False, "outside_cp_active": False}, r
