@@ -544,3 +544,51 @@ def planted_files(config: dict, root: str) -> dict:
         fresh, fresh_opt = _fresh()
         out["ok"] = _error(ck.load, os.path.join(root, "step_1"), fresh, fresh_opt)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. A downgrade: smp_meta.json rewritten as format 1 (no file digests)
+
+
+def _downgrade(path: str) -> None:
+    meta_file = os.path.join(path, "smp_meta.json")
+    meta = json.load(open(meta_file))
+    meta["format_version"] = 1
+    del meta["files"]
+    json.dump(meta, open(meta_file, "w"))
+
+
+def downgraded(config: dict, root: str) -> dict:
+    """step_2 downgraded to format 1 with a flipped byte in a shard: latest() skips it (warning)
+    and load refuses it, naming allow_unverified; with allow_unverified=True a clean downgraded
+    copy loads exactly (the opt-in works), and the flipped one loads too: the risk it names."""
+    out = {}
+    with smp.session(config):
+        ck = smp.checkpointing
+        model, opt = _fresh()
+        ck.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
+        _train_step(model, opt)
+        before = _params(model)
+        ck.save(os.path.join(root, "step_2"), model, opt, extra={"step": 2})
+        clean = _copy(os.path.join(root, "step_2"), os.path.join(os.path.dirname(root), "clean_step_2"))
+        path = os.path.join(root, "step_2")
+
+        def tamper():
+            _downgrade(path)
+            _downgrade(clean)
+            shard = os.path.join(path, "__0_0.distcp")
+            data = bytearray(open(shard, "rb").read())
+            data[len(data) // 2] ^= 0xFF
+            open(shard, "wb").write(bytes(data))
+        _on_rank0(tamper)
+        with _Warnings() as warned:
+            out["latest"] = os.path.basename(ck.latest(root))
+        out["warned"] = [m for m in warned.messages if "step_2" in m]
+        fresh, fresh_opt = _fresh()
+        out["refused"] = _error(ck.load, path, fresh, fresh_opt)
+        fresh, fresh_opt = _fresh()
+        out["clean_opt_in"] = _error(ck.load, clean, fresh, fresh_opt, allow_unverified=True)
+        out["clean_exact"] = _unchanged(before, fresh)
+        fresh, fresh_opt = _fresh()
+        out["flipped_opt_in"] = _error(ck.load, path, fresh, fresh_opt, allow_unverified=True)
+    return out

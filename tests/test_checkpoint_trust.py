@@ -154,3 +154,14 @@ def test_planted_files_are_refused_fast(ranks, tmp_path, world):
         for plant in ("meta_devzero", "meta_fifo"):
             assert r[f"{plant}_warned"] is True, (plant, r[f"{plant}_warned"])
         assert "symbolic link" in r["meta_devzero_load"] and "FIFO" in r["meta_fifo_load"], r
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_downgraded_metadata_does_not_switch_verification_off(ranks, tmp_path, world):
+    """format_version 1 without 'files' used to skip every digest check with a log line: a
+    flipped byte loaded and latest() returned it. Now loading it needs allow_unverified=True."""
+    for r in ranks(world).run(cases.downgraded, config={}, root=str(tmp_path / "root")):
+        assert r["latest"] == "step_1" and r["warned"], r
+        assert _refused(r["refused"], "step_2", "cannot be verified", "allow_unverified=True"), r["refused"]
+        assert r["clean_opt_in"] == "" and r["clean_exact"], r  # the opt-in loads a good old checkpoint
+        assert r["flipped_opt_in"] == "", r  # ... and, unverified, damage too: the risk it names

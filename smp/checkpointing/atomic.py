@@ -222,7 +222,10 @@ def incomplete(path: str) -> str | None:
         meta = metadata.read(path)
     except CheckpointError as e:
         return str(e)
-    found = digest.problems(path, meta.get("files") or {}, sorted(meta.get("files") or {}), read=False)
+    if meta.get("files") is None:  # format 1: load() refuses it without allow_unverified=True
+        return ("saved before smp recorded file digests, so it cannot be verified; load it by path "
+                "with allow_unverified=True if you trust it")
+    found = digest.problems(path, meta["files"], sorted(meta["files"]), read=False)
     return "; ".join(found[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "") if found else None
 
 

@@ -67,15 +67,28 @@ def my_files(files: dict[str, Any]) -> list[str]:
     return [f for f in sorted(files) if digest.writer_rank(f) % n == me]
 
 
-def verify_structure(path: str, meta: dict[str, Any]) -> None:
+def unverifiable(path: str, meta: dict[str, Any]) -> str | None:
+    """Why `path` cannot be verified (None when it can): saved before smp recorded file digests."""
+    if meta.get("files") is not None:
+        return None
+    return (f"{path!r} was saved before smp recorded file digests (smp_meta.json format_version "
+            f"{meta.get('format_version')!r}, no 'files'): its files cannot be verified, so flipped or "
+            f"truncated bytes in it would load silently. If you trust it, load it with "
+            f"smp.checkpointing.load(..., allow_unverified=True), then save it again to give it digests")
+
+
+def verify_structure(path: str, meta: dict[str, Any], allow_unverified: bool = False) -> None:
     """Before anything is read: every listed file present, a regular file inside the folder, at
     its recorded size; the small files (DCP's `.metadata`, `extra`) also against their digests;
     on rank 0 `.metadata` through the allow-list, naming only listed files. The large data files'
     digests are checked from the bytes DCP reads (`data_problems`). Collective."""
     files = meta.get("files")
     if files is None:  # format 1: saved before smp recorded digests
+        if not allow_unverified:  # every rank read the same smp_meta.json: all raise alike
+            raise CheckpointError(unverifiable(path, meta))
         if rank() == 0:
-            log.warning("smp.checkpointing.load: %r predates file digests; its files are not verified", path)
+            log.warning("smp.checkpointing.load: %r predates file digests; loading it unverified "
+                        "(allow_unverified=True)", path)
         return
     mine = my_files(files)
     small = [f for f in mine if not f.endswith(".distcp")]
