@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from smp.checkpointing import atomic, digest, inline_digest, metadata, rng, safe_read, save_errors, verify
-from smp.checkpointing.async_save import saves
+from smp.checkpointing.async_save import saves, wait
 from smp.checkpointing.collective import agree, is_dist, on_rank0, rank, world
 from smp.checkpointing.save_errors import disk_full_or, is_disk_full, save_error
 from smp.errors import CheckpointError
@@ -53,9 +53,6 @@ from smp.mesh import ParallelDims
 log = logging.getLogger(__name__)
 
 EXTRA_DIR = "smp_extra"
-
-# The names hf.py imported from here before collective.py existed; drop once no importer is left.
-_dist, _rank = is_dist, rank
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -241,22 +238,6 @@ def _start_async(
             raise save_error(e, path, needed) from None
 
     jobs.submit(finish, tmp)
-
-
-def wait() -> None:
-    """Finish a pending async save (collective when one is pending); re-raise its error."""
-    saves().wait()
-
-
-def wait_at_shutdown() -> None:
-    """`smp.shutdown` calls this: commit a pending async save before the process group goes
-    (a failure is logged, not raised) and release the async save's group."""
-    saves().close()
-
-
-def _get_async_group(timeout_seconds: float | None) -> dist.ProcessGroup | None:
-    """The async saves' own gloo group (smp.sagemaker's async_save runs on it too)."""
-    return saves().group(timeout_seconds)
 
 
 def _empty_copy(state: Any) -> Any:
