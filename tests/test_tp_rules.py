@@ -21,12 +21,12 @@ from smp import plans
 from smp.errors import ConfigError, Error
 from smp.expert_parallel.plan import SMP_TABLES as EP_TABLES
 from smp.expert_parallel.plan import resolve_ep_plan
-from smp.tensor_parallel import SMP_TABLES, STYLE_NAMES, registry, rules
+from smp.tensor_parallel import SMP_TABLES, STYLE_NAMES, registry, rules, tp_plan
 from smp.tensor_parallel.registry import Options
 from smp.tensor_parallel.tp_plan import Assignment, resolve_plan
 from smp.testing.models import tiny_llama
 from tests import model_coverage_cases as coverage
-from tests import tp_cases, tp_local_params_cases, tp_mla_cases, tp_vocabulary_cases
+from tests import tp_cases, tp_local_params_cases, tp_mla_cases, tp_vlm_cases, tp_vocabulary_cases
 
 SP, NO_SP = Options(sequence_parallel=True), Options()
 
@@ -77,6 +77,9 @@ CASES = [
              "model.layers.0.self_attn.q_norm": ("replicated_with_grad_allreduce", "per-head parameter"),
          }),
     Case(rules.shared_region_entry, tiny_llama, NO_SP, adds={"model.layers.0.self_attn": ("region_entry", "")}),
+    # LLaVA embeds the tokens and scatters the image features in before its language model.
+    Case(rules.sp_enter_at_language_model, lambda: tp_vlm_cases.build("llava"), SP,
+         adds={"model.language_model": ("shard_sequence", "inputs_embeds")}),
     Case(rules.sp_gather_at_region_entry, tiny_llama, SP, adds={"model.layers.1.mlp": ("gather_sequence", "")}),
     # Qwen3-MoE's MoE block: router and experts on the gathered sequence.
     Case(rules.sp_moe_block_takes_whole_sequence, lambda: tp_vocabulary_cases.build("qwen3_moe"), SP,
@@ -142,6 +145,26 @@ def test_rules_do_not_fire_on_a_plain_decoder():
     expanded = rules.expand_plan(model, resolve_plan(model, None, None), NO_SP)
     added = {a.style for a in expanded.assignments if a.name not in expanded.entries}
     assert added == {"region_entry"}, added
+
+
+def test_sequence_parallel_stays_in_the_language_model(monkeypatch):
+    """LLaVA under sequence parallel: nothing outside the language model is styled and its
+    embedding's output stays whole. Negative control: with the whole model as the scope (as
+    before), the vision tower's norms and patch conv join the stream (its crash: `got mixed
+    torch.Tensor and DTensor` in the convolution)."""
+    def expand() -> dict[str, Assignment]:
+        model = tp_vlm_cases.build("llava")
+        return {a.name: a for a in rules.expand_plan(model, resolve_plan(model, None, None), SP).assignments}
+
+    def outside(assigned: dict[str, Assignment]) -> list[str]:
+        return [n for n in assigned if n.startswith(("model.vision_tower", "model.multi_modal_projector"))]
+
+    assigned = expand()
+    assert outside(assigned) == [] and not assigned["model.language_model.embed_tokens"].sequence_parallel
+    monkeypatch.setattr(tp_plan, "_language_model", lambda model, embedding: ("", None))
+    assigned = expand()
+    assert "model.vision_tower.encoder.layers.0.layer_norm1" in outside(assigned)
+    assert assigned["model.language_model.embed_tokens"].sequence_parallel
 
 
 # --- the style registry -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from smp.errors import ConfigError
 from smp.tensor_parallel.moe import MoeExperts
 from smp.tensor_parallel.styles import (
     SEQ_DIM, Conv1DColwise, Conv1DRowwise, LocalParams, MlaKvAProj, OwnedOutput, PackedColwise, RegionEntry,
-    ReplicateParams, ReplicatedPartialGrad, ReplicateToSequence, WholeSequence, is_conv1d,
+    ReplicateParams, ReplicatedPartialGrad, ReplicateToSequence, ShardSequenceAtEntry, WholeSequence, is_conv1d,
 )
 
 if TYPE_CHECKING:
@@ -143,6 +143,7 @@ MOE_EXPERTS, LOCAL_PARAMS, MLA_KV_A = "moe_tp_experts", "local_params", "mla_kv_
 REPLICATE, PARTIAL_GRAD = "replicate", "replicated_with_grad_allreduce"
 SEQUENCE_PARALLEL, GATHER_SEQUENCE, REGION_ENTRY = "sequence_parallel", "gather_sequence", "region_entry"
 WHOLE_SEQUENCE, REPLICATE_TO_SEQUENCE, REPLICATE_PARAMS = "whole_sequence", "replicate_to_sequence", "replicate_params"
+SHARD_SEQUENCE = "shard_sequence"
 
 _NO_EP = ("expert parallelism (whole experts per rank); smp has none. Leave the model's own "
           "`base_model_tp_plan` (its 'moe_tp_experts' entries split every expert over the TP ranks), "
@@ -175,6 +176,7 @@ STYLES: dict[str, Style] = {
     REPLICATE_PARAMS: Style(lambda r: ReplicateParams(), applies_to=ANY),
     MLA_KV_A: Style(lambda r: MlaKvAProj(mla_rope_dim(r.model, r.name, r.module))),
     LOCAL_PARAMS: Style(lambda r: LocalParams(tuple(r.param_styles)), applies_to=ANY),
+    SHARD_SEQUENCE: Style(lambda r: ShardSequenceAtEntry(SEQ_DIM, r.name), applies_to=ANY),
     "grouped_gemm": Style(None, refused=_NO_EP),
     "ep_dispatch_experts": Style(None, refused=_NO_EP),
     "moe_identity_expert": Style(None, refused=(

@@ -108,7 +108,7 @@ def tie_embedding_to_head(m: Matched, opts: Options) -> list[Assignment]:
     if m.modules[head].weight is not m.modules[emb].weight:
         return []
     m.entries[emb] = ("<tied to the head>", reg.EMBEDDING_ROWWISE)
-    return [Assignment(emb, m.modules[emb], reg.EMBEDDING_ROWWISE, sequence_parallel=not m.in_moe_block(emb))]
+    return [Assignment(emb, m.modules[emb], reg.EMBEDDING_ROWWISE, sequence_parallel=m.runs_sequence_parallel(emb))]
 
 
 def local_params_need_split_heads(m: Matched, opts: Options) -> list[Assignment]:
@@ -238,7 +238,20 @@ def shared_region_entry(m: Matched, opts: Options) -> list[Assignment]:
 
 
 # Under sequence parallel the residual stream between regions is sharded on the sequence; the
-# rules below say where it is gathered and what runs on the shards.
+# rules below say where it is gathered and what runs on the shards. They act inside the language
+# model only (`Matched.sp_scope`): a vision tower, an audio encoder or a projector beside it runs
+# on whole activations, its split regions as without sequence parallel.
+
+def sp_enter_at_language_model(m: Matched, opts: Options) -> list[Assignment]:
+    """A multimodal model (LLaVA, Qwen2.5-VL, Gemma3, ...) embeds the tokens and scatters the
+    image features in before it calls its language model with `inputs_embeds`: the sequence is
+    sharded there, and the embedding's output stays whole (`Matched.runs_sequence_parallel`)."""
+    if not opts.sequence_parallel or m.sp_entry is None:
+        return []
+    return [Assignment(m.sp_entry, m.modules[m.sp_entry], reg.SHARD_SEQUENCE,
+                       why="auto: the multimodal model hands the language model its inputs_embeds here")]
+
+
 
 def sp_gather_at_region_entry(m: Matched, opts: Options) -> list[Assignment]:
     """Each region gathers the sequence at its entry: a region in an MoE block (DeepSeek-V3's
@@ -262,7 +275,7 @@ def sp_gather_at_region_entry(m: Matched, opts: Options) -> list[Assignment]:
                 "the split projections, so smp cannot gather the sequence between them; put "
                 "attention and MLP in their own submodules, or set tensor_parallel.sequence_parallel: false"
             )
-        if m.in_moe_block(rname):
+        if m.in_moe_block(rname) or not m.in_sp_scope(rname):  # gathered already, or off the stream
             extras.append(Assignment(rname, region, reg.REGION_ENTRY, sequence_parallel=False))
         elif rname in mla_regions(m):
             extras.append(Assignment(rname, region, reg.WHOLE_SEQUENCE))
@@ -278,6 +291,8 @@ def sp_moe_block_takes_whole_sequence(m: Matched, opts: Options) -> list[Assignm
         return []
     extras = []
     for bname, block in sorted(m.moe_blocks.items()):
+        if not m.in_sp_scope(bname):
+            continue  # runs on whole activations, like everything outside the language model
         if bname in m.regions or bname in m.gathered or not bname:
             raise ConfigError(
                 f"sequence_parallel: {bname or type(m.model).__name__!r} holds both the MoE experts and "
@@ -290,7 +305,7 @@ def sp_moe_block_takes_whole_sequence(m: Matched, opts: Options) -> list[Assignm
 
 def _bounded(m: Matched) -> list[str]:
     """Modules that take the whole sequence in: regions, MoE blocks, whole-sequence blocks."""
-    names = [r for r in (*m.regions, *m.gathered, *m.moe_blocks) if r]
+    names = [r for r in (*m.regions, *m.gathered, *m.moe_blocks) if r and m.in_sp_scope(r)]
     added = [a.name for a in m.assignments if a.style == reg.WHOLE_SEQUENCE and a.name not in m.entries]
     return names + [n for n in added if n not in names]
 
@@ -309,6 +324,8 @@ def sp_whole_sequence_siblings(m: Matched, opts: Options) -> list[Assignment]:
     extras = []
     for name, module in m.modules.items():
         if name.rpartition(".")[0] not in blocks or name in bounded or is_norm(module) or name in m.entries:
+            continue
+        if not m.in_sp_scope(name):
             continue
         if any(name.startswith(b + ".") for b in bounded):
             continue  # inside a region or MoE block: it already runs on the whole sequence
@@ -330,17 +347,19 @@ def sp_norms_on_shards(m: Matched, opts: Options) -> list[Assignment]:
         return []
     bounded = _bounded(m)
     return [Assignment(name, module, reg.SEQUENCE_PARALLEL) for name, module in m.modules.items()
-            if is_norm(module) and name not in m.entries and _outside(bounded, name)]
+            if is_norm(module) and name not in m.entries and _outside(bounded, name) and m.in_sp_scope(name)]
 
 
 def sp_embeddings_join_shards(m: Matched, opts: Options) -> list[Assignment]:
     """An embedding the plan leaves whole outside every region (GPT-2's position embedding),
-    added to the sequence-sharded token embedding: its output joins the stream as a shard."""
+    added to the sequence-sharded token embedding: its output joins the stream as a shard (not
+    the input embedding of a wrapped language model: its output stays whole until the entry)."""
     if not opts.sequence_parallel:
         return []
     bounded = _bounded(m)
     return [Assignment(name, module, reg.REPLICATE_TO_SEQUENCE) for name, module in m.modules.items()
-            if isinstance(module, nn.Embedding) and name not in m.entries and _outside(bounded, name)]
+            if isinstance(module, nn.Embedding) and name not in m.entries and _outside(bounded, name)
+            and m.in_sp_scope(name) and not (m.sp_entry is not None and name == m.embedding)]
 
 
 def sp_replicate_other_params(m: Matched, opts: Options) -> list[Assignment]:
@@ -350,7 +369,8 @@ def sp_replicate_other_params(m: Matched, opts: Options) -> list[Assignment]:
         return []
     styled = {*_bounded(m), *m.entries, *m.assigned()}
     return [Assignment(name, module, reg.REPLICATE_PARAMS) for name, module in m.modules.items()
-            if not _covered(name, styled) and next(module.parameters(recurse=False), None) is not None]
+            if not _covered(name, styled) and m.in_sp_scope(name)
+            and next(module.parameters(recurse=False), None) is not None]
 
 
 def sp_needs_the_head(m: Matched, opts: Options) -> list[Assignment]:
@@ -371,6 +391,7 @@ RULES: tuple[Rule, ...] = (
     gradless_submodules,
     per_head_parameters,
     shared_region_entry,
+    sp_enter_at_language_model,
     sp_gather_at_region_entry,
     sp_moe_block_takes_whole_sequence,
     sp_whole_sequence_siblings,

@@ -32,6 +32,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from smp.errors import PlanError
+
 SEQ_DIM = 1  # (batch, seq, hidden) everywhere in smp's supported models
 
 
@@ -425,4 +427,35 @@ class MlaKvAProj(ParallelStyle):
             return torch.cat([latent, rope.to_local(grad_placements=[grad_placement])], dim=-1)
 
         module.register_forward_hook(sum_rope_grad)
+        return module
+
+
+class ShardSequenceAtEntry(ParallelStyle):
+    """`shard_sequence`: under sequence parallel, the language model inside a multimodal model
+    (LLaVA's `model.language_model`). Its wrapper embeds the tokens and scatters the image
+    features in before calling it with `inputs_embeds`, so the stream cannot be sharded at the
+    embedding: those whole embeddings enter the sequence-sharded stream here (a slice on each
+    rank; backward all-gathers their gradient, whole on every rank like the vision tower's)."""
+
+    def __init__(self, seq_dim: int, where: str):
+        super().__init__()
+        self.seq_dim, self.where = seq_dim, where
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        seq, where = Shard(self.seq_dim), self.where
+
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            x = kwargs.get("inputs_embeds")
+            if not isinstance(x, torch.Tensor):
+                raise PlanError(
+                    f"sequence_parallel: {where!r} (the language model smp shards the sequence for) was "
+                    "called without `inputs_embeds`; smp enters the sequence shards where the multimodal "
+                    "model hands its embeddings to the language model. Call it with inputs_embeds, or set "
+                    "tensor_parallel.sequence_parallel: false"
+                )
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).redistribute(placements=[seq])
+            return args, dict(kwargs, inputs_embeds=x)
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
         return module

@@ -79,6 +79,12 @@ class Matched:
     gathered: dict[str, nn.Module] = field(default_factory=dict)  # parents of gathered-region openers
     widths: dict[str, int | None] = field(default_factory=dict)  # region -> its input width
     moe_blocks: dict[str, nn.Module] = field(default_factory=dict)  # parents of moe_tp_experts modules
+    # Where sequence parallel applies: the language model holding the input embedding ('' = the
+    # whole model). `sp_entry`: the module whose `inputs_embeds` enter the sequence shards when a
+    # multimodal wrapper around it embeds the tokens (LLaVA's language model), else None (the
+    # stream is sharded at the embedding).
+    sp_scope: str = ""
+    sp_entry: str | None = None
 
     def styled_as(self, style: str) -> list[str]:
         """The module names the plan gives `style`."""
@@ -89,6 +95,19 @@ class Matched:
 
     def assigned(self) -> set[str]:
         return {a.name for a in self.assignments}
+
+    def in_sp_scope(self, name: str) -> bool:
+        return not self.sp_scope or name == self.sp_scope or name.startswith(self.sp_scope + ".")
+
+    def runs_sequence_parallel(self, name: str) -> bool:
+        """Whether a module the plan splits computes on the sequence-sharded stream (when sequence
+        parallel is on): not inside an MoE block (it runs on the block's gathered input), not
+        outside the language model (a vision tower), not the embedding of a wrapped language
+        model (its wrapper edits the embeddings first); the output head gathers it back."""
+        if name == self.head:
+            return True
+        return not self.in_moe_block(name) and self.in_sp_scope(name) and not (
+            self.sp_entry is not None and name == self.embedding)
 
 
 def _name_of(model: nn.Module, module: nn.Module | None) -> str | None:
@@ -107,6 +126,21 @@ def _input_embedding_name(model: nn.Module) -> str | None:
     except (NotImplementedError, AttributeError):
         emb = None
     return _name_of(model, emb)
+
+
+def _language_model(model: nn.Module, embedding: str | None) -> tuple[str, str | None]:
+    """(sp_scope, sp_entry) of `Matched`: the decoder transformers names (`get_decoder()`) when
+    it holds the input embedding, and whether the base model wraps it (a multimodal model)."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = _name_of(model, get() if callable(get) else None)
+    except (NotImplementedError, AttributeError):
+        decoder = None
+    if not decoder or not embedding or not embedding.startswith(decoder + "."):
+        return "", None
+    base = plans.base_prefix(model)
+    wrapped = decoder.startswith(base) and decoder != base[:-1] if base else True
+    return decoder, decoder if wrapped else None
 
 
 def _smp_table(model: nn.Module) -> dict[str, StyleSpec]:
@@ -259,6 +293,7 @@ def match(model: nn.Module, plan: TPPlan) -> Matched:
     if head is None:  # a user model: its head is the entry styled "lm_head", if any
         head = next((n for n, (_, s) in entries.items() if s == reg.LM_HEAD), None)
     m = Matched(model, plan.source, modules, entries, param_styles, head, _input_embedding_name(model))
+    m.sp_scope, m.sp_entry = _language_model(model, m.embedding)
     _check_local_params(m)
     _check_param_owners(m)
     m.moe_blocks = {n.rpartition(".")[0]: modules[n.rpartition(".")[0]] for n in m.styled_as(reg.MOE_EXPERTS)}
@@ -273,7 +308,7 @@ def match(model: nn.Module, plan: TPPlan) -> Matched:
             m.widths.setdefault(parent, in_width(modules[name]))
         own = {p.rpartition(".")[2]: s for p, s in param_styles.items() if p.rpartition(".")[0] == name}
         m.assignments.append(Assignment(name, modules[name], style, is_head=(name == head),
-                                        sequence_parallel=not m.in_moe_block(name), param_styles=own))
+                                        sequence_parallel=m.runs_sequence_parallel(name), param_styles=own))
     # An MLA region's input width is what its `mla_kv_a_proj` layer reads: its first colwise layer
     # (`q_b_proj`) may read a latent instead.
     m.widths.update({n.rpartition(".")[0]: in_width(modules[n]) for n in m.styled_as(reg.MLA_KV_A)})
