@@ -592,3 +592,92 @@ def downgraded(config: dict, root: str) -> dict:
         fresh, fresh_opt = _fresh()
         out["flipped_opt_in"] = _error(ck.load, path, fresh, fresh_opt, allow_unverified=True)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Two runs sharing one root
+
+
+class _RunEnv:
+    """A session whose run id comes from the environment (SMP_RUN_ID or torchrun's), restored
+    after: pool workers outlive cases."""
+
+    def __init__(self, config: dict, **env: str):
+        self.config, self.env = config, env
+
+    def __enter__(self):
+        names = ("SMP_RUN_ID", "TORCHELASTIC_RUN_ID")
+        self.saved = {k: os.environ.pop(k, None) for k in names}
+        os.environ.update(self.env)
+        self.session = smp.session(self.config)
+        self.session.__enter__()
+        return smp.checkpointing
+
+    def __exit__(self, *exc):
+        self.session.__exit__(*exc)
+        for k, v in self.saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def _value(model) -> float:
+    return float(next(iter(_params(model).values())).flatten()[0])
+
+
+def two_runs(config: dict, root: str) -> dict:
+    """Runs A and B (SMP_RUN_ID) save into one root; B must never replace or delete A's folders
+    and latest() must give B its own checkpoints; A, restarted with its id, continues its own."""
+    out = {}
+    model, opt = None, None
+    with _RunEnv(config, SMP_RUN_ID="run-a") as ck:
+        model, opt = _fresh()
+        ck.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1, "run": "a"})
+        ck.save(os.path.join(root, "step_2"), model, opt, extra={"step": 2, "run": "a"})
+        a_value = _value(model)
+    live = os.path.join(root, ".step_3.partial")  # run A writing step_3 right now
+    _on_rank0(lambda: (os.makedirs(live), json.dump({"run_id": "run-a"}, open(os.path.join(live, "smp_partial.json"), "w")),
+                       open(os.path.join(live, "__0_0.distcp"), "wb").write(b"A's bytes")))
+    with _RunEnv(config, SMP_RUN_ID="run-b") as ck:
+        with _Warnings() as warned:
+            out["b_latest_first"] = ck.latest(root)
+        out["b_latest_first_warned"] = [m for m in warned.messages if "run-a" in m]
+        model, opt = _fresh()
+        _train_step(model, opt, seed=11)  # B's weights differ from A's
+        out["b_overwrites"] = _error(ck.save, os.path.join(root, "step_2"), model, opt, extra={"step": 2, "run": "b"})
+        out["b_into_live_partial"] = _error(ck.save, os.path.join(root, "step_3"), model, opt, extra={"step": 3})
+        out["live_partial_kept"] = os.path.exists(os.path.join(live, "__0_0.distcp"))
+        ck.save(os.path.join(root, "b_step_1"), model, opt, extra={"step": 1, "run": "b"})
+    _on_rank0(lambda: shutil.rmtree(live))
+    with _RunEnv(config, SMP_RUN_ID="run-a") as ck:  # A again, newest save of the root
+        fresh, fresh_opt = _fresh()
+        out["a_restart_latest"] = os.path.basename(ck.latest(root))
+        out["a_restart_extra"] = ck.load(ck.latest(root), fresh, fresh_opt)
+        out["a_weights_intact"] = _value(fresh) == a_value
+        ck.save(os.path.join(root, "step_2"), fresh, fresh_opt, extra={"step": 2, "run": "a"})  # its own: allowed
+        ck.save(os.path.join(root, "step_3"), fresh, fresh_opt, extra={"step": 3, "run": "a"})
+    with _RunEnv(config, SMP_RUN_ID="run-b") as ck:
+        out["b_latest"] = os.path.basename(ck.latest(root))
+        out["b_latest_any"] = os.path.basename(ck.latest(root, run="any"))
+        out["b_latest_of_a"] = os.path.basename(ck.latest(root, run="run-a"))
+    with _RunEnv(config) as ck:  # no run id from anywhere: which run it continues is not known
+        out["unnamed_latest"] = _error(ck.latest, root)
+    # torchrun: every restart attempt of one launch has the same TORCHELASTIC_RUN_ID.
+    solo = os.path.join(os.path.dirname(root), "solo")
+    with _RunEnv(config, TORCHELASTIC_RUN_ID="launch-1") as ck:
+        ck.save(os.path.join(solo, "step_1"), model, extra={"step": 1})
+    with _RunEnv(config, TORCHELASTIC_RUN_ID="launch-1") as ck:
+        out["torchrun_restart_latest"] = os.path.basename(ck.latest(solo))
+    with _RunEnv(config, TORCHELASTIC_RUN_ID="launch-2") as ck:
+        out["torchrun_new_launch_latest"] = ck.latest(solo)
+    # No id at all (a plain script restarted): one run in the root -> its newest; a load takes
+    # its id over, so the restarted script replaces and rotates that run's checkpoints.
+    with _RunEnv(config, TORCHELASTIC_RUN_ID="none") as ck:
+        path = ck.latest(solo)
+        out["unnamed_solo_latest"] = os.path.basename(path)
+        fresh, _ = _fresh(optim=False)
+        ck.load(path, fresh)
+        ck.save(os.path.join(solo, "step_1"), fresh, extra={"step": 1})
+        ck.save(os.path.join(solo, "step_2"), fresh, extra={"step": 2}, keep_last=1)
+        out["unnamed_solo_listing"] = sorted(os.listdir(solo))
+    return out

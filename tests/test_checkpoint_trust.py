@@ -165,3 +165,21 @@ def test_downgraded_metadata_does_not_switch_verification_off(ranks, tmp_path, w
         assert _refused(r["refused"], "step_2", "cannot be verified", "allow_unverified=True"), r["refused"]
         assert r["clean_opt_in"] == "" and r["clean_exact"], r  # the opt-in loads a good old checkpoint
         assert r["flipped_opt_in"] == "", r  # ... and, unverified, damage too: the risk it names
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_two_runs_sharing_a_root(ranks, tmp_path, world):
+    """Run B used to replace run A's committed step_2 and delete A's live partial folder, and
+    latest() gave B the newest checkpoint of whichever run. Beside each refusal, A restarted
+    with its own id replaces its own checkpoint (the refusal is about the run, not the name)."""
+    for r in ranks(world).run(cases.two_runs, config={}, root=str(tmp_path / "root")):
+        assert r["b_latest_first"] is None and r["b_latest_first_warned"], r
+        assert _refused(r["b_overwrites"], "another run (run-a)", "run run-b", "SMP_RUN_ID=run-a"), r["b_overwrites"]
+        assert _refused(r["b_into_live_partial"], ".step_3.partial", "another run (run-a)"), r["b_into_live_partial"]
+        assert r["live_partial_kept"], r
+        assert r["a_restart_latest"] == "step_2" and r["a_restart_extra"] == {"step": 2, "run": "a"}, r
+        assert r["a_weights_intact"], r
+        assert (r["b_latest"], r["b_latest_any"], r["b_latest_of_a"]) == ("b_step_1", "step_3", "step_3"), r
+        assert _refused(r["unnamed_latest"], "run-a", "run-b", "SMP_RUN_ID"), r["unnamed_latest"]
+        assert r["torchrun_restart_latest"] == "step_1" and r["torchrun_new_launch_latest"] is None, r
+        assert r["unnamed_solo_latest"] == "step_1" and r["unnamed_solo_listing"] == ["step_2"], r

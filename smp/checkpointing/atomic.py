@@ -11,10 +11,11 @@ hold the commit marker *and* whose listed files are all there with their recorde
 save killed at any point, or a half-deleted or half-copied folder, leaves the previous
 checkpoint latest. The marker also guards filesystems whose renames are not atomic.
 
-What smp may delete in a root it shares with the user and with other runs: only folders it can
-prove it wrote in this run, i.e. whose commit marker (or, for a partial, `smp_partial.json`)
-carries this run's id. A run's id is made by its first save, or taken over from the
-checkpoint `load` resumed from, so a restarted job still cleans up after its earlier attempts.
+What smp may delete or replace in a root it shares with the user and with other runs: only
+folders it can prove it wrote in this run, i.e. whose commit marker (or, for a partial,
+`smp_partial.json`) carries this run's id; a save to a name another run committed, or is still
+writing, is refused. `latest(root)` returns this run's checkpoints. Where a run's id comes from,
+so that a restarted job still finds and cleans up its earlier attempts' checkpoints: run.py.
 Symbolic links (`latest -> step_2`, `best -> ../other_run/step_100`) are never listed, followed,
 or deleted. Order is the save sequence number in the marker (one more than any in the root at
 commit time), never a clock: clocks differ between nodes and jump.
@@ -29,9 +30,8 @@ import re
 import shutil
 import stat
 import time
-import uuid
 
-from smp.checkpointing import digest, metadata
+from smp.checkpointing import digest, metadata, run
 from smp.errors import CheckpointError
 from smp.regular_files import NotReadable, read_regular
 
@@ -41,24 +41,18 @@ COMMIT_FILE = "smp_commit.json"
 PARTIAL_FILE = "smp_partial.json"
 PARTIAL_SUFFIX = ".partial"
 
-_run_id: str | None = None
+ANY_RUN = "any"  # latest(root, run=ANY_RUN): the newest checkpoint of whichever run wrote it
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
 def run_id() -> str:
-    """This process's run id (made on first use; see `adopt_run`)."""
-    global _run_id
-    if _run_id is None:
-        _run_id = uuid.uuid4().hex[:16]
-    return _run_id
+    """This run's id (see run.py; made now if none is known: collective, call on every rank)."""
+    return run.current()
 
 
 def adopt_run(saved_run_id: str | None) -> None:
-    """Continue the run that wrote the checkpoint just loaded: keep_last may then delete its
-    older checkpoints and the partial folders its killed saves left."""
-    global _run_id
-    if isinstance(saved_run_id, str) and saved_run_id:
-        _run_id = saved_run_id
+    """After a load: a process without a run id continues the loaded checkpoint's run."""
+    run.take_over(saved_run_id)
 
 
 def partial_dir(path: str) -> str:
@@ -111,14 +105,30 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
                 f"{path!r} exists and is not an smp {kind} checkpoint; saving there would delete "
                 f"its contents. Save to a new folder (e.g. <root>/step_N) or remove it first"
             )
+        owner = _marker(path).get("run_id") if is_committed(path) else None
+        if owner is not None and owner != run_id:
+            raise FileExistsError(
+                f"{path!r} is a checkpoint of another run ({owner}); this is run {run_id}. A save never "
+                f"replaces another run's checkpoint: save under another name or root. If this is run "
+                f"{owner} restarted, set {run.RUN_ID_ENV}={owner} (torchrun keeps one id across "
+                f"--max-restarts; a new launch is a new run)"
+            )
     tmp = partial_dir(path)
     if os.path.lexists(tmp):
-        if os.path.islink(tmp) or not (_partial_owner(tmp) is not None or _is_empty_dir(tmp)):
+        owner = None if os.path.islink(tmp) else _partial_owner(tmp)
+        if owner is None and not (not os.path.islink(tmp) and _is_empty_dir(tmp)):
             raise FileExistsError(
                 f"{tmp!r} exists and was not made by an smp save; smp writes a save to {path!r} "
                 f"there first. Rename or remove it"
             )
-        shutil.rmtree(tmp)  # a crashed save's leftover
+        if owner is not None and owner != run_id:
+            raise FileExistsError(
+                f"{tmp!r} is a save of {path!r} by another run ({owner}), still being written or left by "
+                f"a killed save; this is run {run_id}, and a save never deletes another run's files. Save "
+                f"under another name or root; if no run is writing it any more, delete it. If this is "
+                f"run {owner} restarted, set {run.RUN_ID_ENV}={owner}"
+            )
+        shutil.rmtree(tmp)  # this run's crashed save's leftover (or an empty folder)
     os.makedirs(tmp)
     try:
         with open(os.path.join(tmp, PARTIAL_FILE), "w") as f:
@@ -234,16 +244,61 @@ def complete(path: str) -> bool:
     return incomplete(path) is None
 
 
-def latest(root: str | os.PathLike) -> str | None:
-    """The most recently saved complete checkpoint under `root`, or None. Never a partial one,
-    never one with a missing or truncated file or a planted metadata file (each skipped with a
-    warning), never a symbolic link."""
-    for path in reversed(committed(os.fspath(root))):
+def latest(root: str | os.PathLike, run: str | None = None) -> str | None:
+    """The most recently saved complete checkpoint of this run under `root`, or None. Never a
+    partial one, never one with a missing or truncated file or a planted metadata file (each
+    skipped with a warning), never a symbolic link.
+
+    `run`: None for this run's (see run.py; a process that knows no run id yet gets the newest
+    checkpoint when `root` holds one run's only, and a CheckpointError naming the runs when it
+    holds several); "any" for the newest of whichever run; a run id for that run's."""
+    from smp.checkpointing import run as runs  # the parameter shadows the module here
+
+    found = [(full, marker.get("run_id")) for _, full, marker in _listed(os.fspath(root))
+             if marker.get("kind", "sharded") == "sharded"]
+    wanted = run
+    if run is None:
+        mine = runs.known()
+        if mine is not None:
+            wanted = mine.id
+        else:
+            owners = {owner for _, owner in found}
+            if len(owners) > 1:
+                raise CheckpointError(_several_runs(os.fspath(root), found))
+            wanted = ANY_RUN
+    others = []
+    for path, owner in reversed(found):
+        if wanted != ANY_RUN and owner != wanted:
+            others.append((path, owner))
+            continue
         why = incomplete(path)
         if why is None:
+            if others:
+                _warn_others(others, wanted, path)
             return path
         log.warning("smp.checkpointing.latest: skipping %r: %s", path, why)
+    if others:
+        _warn_others(others, wanted, None)
     return None
+
+
+def _several_runs(root: str, found: list[tuple[str, str | None]]) -> str:
+    newest: dict[str | None, str] = {}
+    for path, owner in found:
+        newest[owner] = os.path.basename(path)  # found is oldest first: the last one stays
+    listed = ", ".join(f"{owner or '(no run id recorded)'} (newest {name})" for owner, name in newest.items())
+    return (f"latest({root!r}): the root holds checkpoints of {len(newest)} runs: {listed}; this process "
+            f"has no run id yet, so which one it continues is not known. Set {run.RUN_ID_ENV}=<id> to continue "
+            f"that run, or pass run='<id>' (or run='any' for the newest of all)")
+
+
+def _warn_others(others: list[tuple[str, str | None]], wanted: str, chosen: str | None) -> None:
+    newest_path, newest_owner = others[0]
+    log.warning(
+        "smp.checkpointing.latest: %s of run %s; checkpoints of other runs are ignored (newest: %r of run %s). "
+        "Pass run=%r or run='any' to resume another run's, or set %s to continue it",
+        f"returning {chosen!r}" if chosen else "no checkpoint", wanted, newest_path, newest_owner,
+        newest_owner, run.RUN_ID_ENV)
 
 
 def keep_last(root: str, n: int, protect: str, run_id: str) -> list[str]:

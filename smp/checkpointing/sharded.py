@@ -65,9 +65,10 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
 def _agree_on_tmp(path: str, kind: str = "sharded") -> str:
     """Rank 0 clears and creates the partial directory; the others wait for it."""
     tmp = atomic.partial_dir(path)
+    run_id = atomic.run_id()  # made (a collective) on first use: before the rank-0-only step
 
     def make() -> None:
-        atomic.prepare(path, atomic.run_id(), kind)
+        atomic.prepare(path, run_id, kind)
         if kind == "sharded":
             try:
                 os.makedirs(os.path.join(tmp, EXTRA_DIR))
