@@ -141,6 +141,31 @@ def dtensor_spec(t: torch.Tensor) -> Any:
     return t._spec if isinstance(t, DTensor) else None
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t.full_tensor()` for a DTensor (other tensors as they are), also for the layouts torch
+    2.11 cannot redistribute: it reads every `_StridedShard` as a shard order and refuses one
+    that is not ("use_strided_shard_as_shard_order is True, but placements: (Shard(dim=0),
+    _StridedShard(dim=1, sf=3)) is unable to be interpreted ..."), which is the layout of
+    fused-QKV tensor-parallel weights under FSDP. There the gather runs on a copy of the spec
+    that keeps `_StridedShard` as a placement of its own (`use_strided_shard_as_shard_order=
+    False`, the DTensorSpec field 2.11 added; 2.9 and 2.13-2.14 gather directly). The fallback
+    is not differentiable: use it on values (checks, exports), not inside a loss."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    spec = t._spec
+    if not getattr(spec, "use_strided_shard_as_shard_order", False):
+        return t.full_tensor()
+    try:
+        return t.full_tensor()
+    except ValueError:  # raised while planning the redistribution, on every rank alike
+        import dataclasses
+
+        plain = dataclasses.replace(spec, use_strided_shard_as_shard_order=False, shard_order=None)
+        return DTensor(t._local_tensor.detach(), plain, requires_grad=False).full_tensor()
+
+
 def dtensor_from_spec(local: torch.Tensor, spec: Any, requires_grad: bool) -> torch.Tensor:
     """A DTensor from its local shard and a spec taken with `dtensor_spec` (the DTensor
     constructor, 2.9-2.14, takes exactly these)."""

@@ -9,11 +9,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import smp
+from smp import _compat
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor is gathered, a plain tensor is itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The whole tensor: a DTensor is gathered (also fused-QKV layouts on torch 2.11, see
+    `smp._compat.full_tensor`), a plain tensor is itself."""
+    return _compat.full_tensor(t)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
