@@ -15,7 +15,7 @@ from smp.context_parallel.probe import install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_meta_model
-from smp.sharding.fsdp import torch_dtype
+from smp.sharding.fsdp import fsdp_needed, settle_partial_grads, torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
 from smp.tensor_parallel import apply_tensor_parallel
 
@@ -94,15 +94,21 @@ def apply_parallelism(
         apply_compile(model, blocks, cfg.compile.backend)
     # 3. FSDP last: one unit per block, then the root. (1-D over dp_shard when smp's hook, not
     #    native HSDP, syncs the replicas: gradient_sync.cross_replica.)
+    #    Skipped where it would shard over one rank and nothing else needs it (fsdp_needed).
     sync = cfg.gradient_sync
     by_hook = replicas_by_hook(sync.cross_replica, dims)
     mp = cfg.mixed_precision
-    apply_fsdp(
-        model, fsdp_mesh(mesh, dims, by_hook), blocks,
-        param_dtype=torch_dtype(mp.param_dtype), reduce_dtype=torch_dtype(mp.reduce_dtype),
-        output_dtype=torch_dtype(mp.output_dtype), cast_forward_inputs=mp.cast_forward_inputs,
-        reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
-    )
+    shard_mesh = fsdp_mesh(mesh, dims, by_hook)
+    dtypes = dict(param_dtype=torch_dtype(mp.param_dtype), output_dtype=torch_dtype(mp.output_dtype))
+    if fsdp_needed(shard_mesh.size(), **dtypes, cpu_offload=cfg.cpu_offload,
+                   custom_sync=sync.algorithm != "default" or by_hook):
+        apply_fsdp(
+            model, shard_mesh, blocks, **dtypes, reduce_dtype=torch_dtype(mp.reduce_dtype),
+            cast_forward_inputs=mp.cast_forward_inputs, reshard_after_forward=cfg.reshard_after_forward,
+            cpu_offload=cfg.cpu_offload,
+        )
+    elif dims.tp > 1:
+        settle_partial_grads(model)
     # 4. Gradient sync: smp_collectives' collectives on every FSDP unit, when configured.
     install_gradient_sync(
         model, sync.algorithm, block_size=sync.block_size, error_feedback=sync.error_feedback,
@@ -113,8 +119,14 @@ def apply_parallelism(
     if cp_probe is not None:
         install_attention_probe(model, cp_probe)
 
+    model._smp_transformed = True  # is_transformed(): FSDP's class alone does not say it (skipped over one rank)
     # materialize=False leaves a meta model on meta: shapes and placements only (`smp plan`).
     if on_meta and materialize:
         init_device = "cpu" if cfg.cpu_offload else device
         materialize_meta_model(model, init_device, cfg.random_seed)
     return model
+
+
+def is_transformed(model: nn.Module) -> bool:
+    """Whether `model` went through smp's recipe already (a second pass would wrap it again)."""
+    return getattr(model, "_smp_transformed", False)

@@ -76,6 +76,15 @@ def describe_state(config: dict) -> dict:
         )
 
 
+def fsdp_units(config: dict, kind: str) -> int:
+    """How many FSDP units smp.transform made (0: FSDP skipped)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    with smp.session(config):
+        model = smp.transform(build(kind))
+        return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def clip_equivalence(config: dict) -> tuple[float, float]:
     """smp.clip_grad_norm_ on the sharded model vs torch's on the unsharded one."""
     with smp.session(config):

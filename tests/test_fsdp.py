@@ -35,6 +35,22 @@ def test_matches_single_process(ranks, world, config, name, kind):
     assert reports[0]["losses"][1] < reports[0]["losses"][0]  # it trains
 
 
+@pytest.mark.parametrize("world,config,wrapped", [
+    (2, {}, True),
+    (1, {}, False),  # one rank: nothing to shard or reduce
+    (2, {"tensor_parallel_degree": 2}, False),  # TP takes the whole world
+    # over one rank FSDP still casts (mixed precision), offloads, or carries smp's collectives
+    (2, {"tensor_parallel_degree": 2, "mixed_precision": {"param_dtype": "bf16"}}, True),
+    (2, {"tensor_parallel_degree": 2, "cpu_offload": True}, True),
+    (2, {"tensor_parallel_degree": 2, "gradient_sync": "ring"}, True),
+], ids=["shard-2", "world-1", "tp-2", "tp-2-bf16", "tp-2-offload", "tp-2-ring"])
+def test_fsdp_only_where_it_has_work(ranks, world, config, wrapped):
+    """FSDP over one rank shards nothing and adds copies to every step: skipped (the TP and
+    world-1 equivalence tests prove training unchanged), kept where one of its other jobs is on."""
+    units = ranks(world).run(dist_cases.fsdp_units, config=config, kind="llama")
+    assert all(u > 0 for u in units) if wrapped else units == [0] * world, units
+
+
 def test_broken_sync_is_caught(ranks):
     """The equivalence check must fail when gradients are not reduced across ranks."""
     reports = ranks(2).run(dist_cases.equivalence, config={}, kind="plain", steps=1, break_sync=True)

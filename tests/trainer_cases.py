@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 import smp
+from smp.testing.distributed import full_tensor
 
 ROWS, SEQ, GLOBAL_BATCH = 64, 16, 8
 # Eval rows that do not fill the last dp-wide batch: accelerate pads it and drops the padding.
@@ -126,7 +127,7 @@ def train(config: dict, output_dir: str, grad_accum: int = 1, steps: int = 4, lo
             logits = _logits(trainer.model)
             result["logits_diff"] = _reload_diff(final, logits, lora) if dist.get_rank() == 0 else 0.0
             dist.barrier()
-        params = {n: p.full_tensor().detach().clone() for n, p in trainer.model.named_parameters()}  # collective
+        params = {n: full_tensor(p).detach().clone() for n, p in trainer.model.named_parameters()}  # collective
         result["params"] = params if dist.get_rank() == 0 else None
         return result
 

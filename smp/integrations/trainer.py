@@ -45,7 +45,7 @@ from smp.integrations.mapping import map_training_arguments
 from smp.integrations.peft import is_peft_model, save_adapter
 from smp.integrations.saving import export_hf_folder
 from smp.reliability.exit import end_run_at_exit
-from smp.transform import apply_parallelism
+from smp.transform import apply_parallelism, is_transformed
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class SMPTrainerMixin:
             )
 
     def _smp_transform(self, model: nn.Module) -> nn.Module:
-        if not isinstance(model, FSDPModule):  # a model the user already transformed is not wrapped again
+        if not is_transformed(model):  # a model the user already transformed is not wrapped again
             # smp.transform's recipe with the mapped config (bf16 / gradient checkpointing from the
             # TrainingArguments); smp.init ran with the config as given. In place: the Trainer's
             # own reference is this module too.
