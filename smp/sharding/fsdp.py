@@ -9,9 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from smp.config import canonical_dtype
-from smp.sharding.scalars import average_scalar_gradients, scalar_parameters
 from smp.tensor_parallel.styles import fsdp_shard_placement
-from smp.vision.mixed_batches import install_image_path_on_every_rank
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
@@ -77,19 +75,11 @@ def apply_fsdp(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype,
         cast_forward_inputs=cast_forward_inputs,
     )
-    # 0-d parameters (CLIP's logit_scale), which fully_shard refuses: whole on every rank,
-    # gradient averaged after backward (smp/sharding/scalars.py).
-    scalars = scalar_parameters(model)
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(cpu_offload),
-                  shard_placement_fn=fsdp_shard_placement,  # packed TP weights shard on their other dim
-                  ignored_params=scalars or None)
+                  shard_placement_fn=fsdp_shard_placement)  # packed TP weights shard on their other dim
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's parameters are needed again right at the start of backward (the LM head is
     # the last layer): keeping them gathered after forward saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    average_scalar_gradients(scalars, mesh)
-    # A VLM's vision-tower units run on every rank, also where a batch holds no image
-    # (smp/vision/mixed_batches.py): otherwise they all-gather on some ranks only.
-    install_image_path_on_every_rank(model, [mesh.get_group(i) for i in range(mesh.ndim)] if mesh.size() > 1 else [])
     return model
