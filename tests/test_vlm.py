@@ -24,7 +24,7 @@ def test_tied_embeddings_written_twice_is_refused_by_safetensors(ranks):
         assert "share memory" in r["error"], r
 
 
-PRETRAINED = ("llava", "qwen2_5_vl", "gemma3", "paligemma", "mllama", "vit", "dinov2", "siglip")
+PRETRAINED = ("llava", "qwen2_5_vl", "gemma3", "paligemma", "mllama", "vit", "dinov2", "clip", "siglip")
 
 
 @pytest.mark.parametrize("family", PRETRAINED)
@@ -57,3 +57,59 @@ def test_meta_model_buffers_left_empty_are_caught(ranks):
     a meta Llama) are caught by the comparison."""
     results = ranks(2).run(cases.meta_load, config={}, family="llama-tied", compute_buffers=False, timeout=240)
     assert any(r["diff"] > 0.0 for r in results), results
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_rank_without_images_is_exact(ranks, family):
+    """Rank 0's rows hold images, rank 1's are text-only: the vision tower runs on both ranks
+    (a blank image contributing exactly zero on rank 1), 3 SGD steps, loss and every gradient
+    within 1e-5 of one process on the whole batch; the tower is trained (non-zero gradients)."""
+    for r in ranks(2).run(cases.mixed_batch, config={}, family=family, timeout=300):
+        assert r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5 and r["tower_grad"] > 0, r
+        assert r["losses"][-1] < r["losses"][0], r
+
+
+def test_every_rank_with_images_is_exact(ranks):
+    """Control of the control: both ranks hold images (no blank image run anywhere)."""
+    for r in ranks(2).run(cases.mixed_batch, config={}, family="llava", image_ranks=(0, 1), steps=1, timeout=300):
+        assert r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5, r
+
+
+def test_rank_without_images_unfixed_aborts():
+    """Negative control: without smp's fix the text-only rank skips the tower's FSDP units and
+    gloo aborts on the collective mismatch (run in a subprocess: the process dies)."""
+    r = cases.mixed_batch_in_subprocess("llava")
+    assert r["returncode"] != 0, r
+    assert "mismatch" in r["tail"] or "died" in r["tail"] or "timed out" in r["tail"], r
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip"])
+def test_contrastive_loss_over_the_global_batch(ranks, family):
+    """Each rank embeds its own rows; smp.vision's gathered loss equals the model's own loss on
+    the whole batch in one process, and so do every gradient (CLIP's 0-d logit_scale kept whole,
+    its gradient averaged), 3 SGD steps within 1e-5."""
+    for r in ranks(2).run(cases.contrastive, config={}, family=family, timeout=300):
+        assert r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5, r
+        assert r["losses"][-1] < r["losses"][0], r
+    if family == "clip":
+        assert r["scalar_is_0d"], "the model's shapes are unchanged: export_hf still loads in from_pretrained"
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip"])
+def test_contrastive_loss_without_gather_is_caught(ranks, family):
+    """Negative control: each rank's loss over its own rows only (fewer in-batch negatives)."""
+    for r in ranks(2).run(cases.contrastive, config={}, family=family, gather=False, steps=1, timeout=300):
+        assert r["loss_diff"] > 1e-2, r
+
+
+def test_scalar_parameter_kept_whole_gradient_averaged(ranks):
+    """A 0-d parameter (fully_shard refuses it) stays whole on every rank with its shape, and
+    its gradient is averaged over the ranks: 3 SGD steps within 1e-5 of one process."""
+    for r in ranks(2).run(cases.scalar_parameter, timeout=300):
+        assert r["scalar_is_0d"] and r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5, r
+
+
+def test_scalar_parameter_gradient_not_averaged_is_caught(ranks):
+    """Negative control: each rank's own gradient of the 0-d parameter."""
+    for r in ranks(2).run(cases.scalar_parameter, average=False, steps=1, timeout=300):
+        assert r["scale_grad_diff"] > 1e-3, r

@@ -239,3 +239,206 @@ def meta_load(config: dict, family: str, compute_buffers: bool = True) -> dict:
             dist.barrier()
             if dist.get_rank() == 0:
                 shutil.rmtree(root, ignore_errors=True)
+
+
+# --- 4. batches where a rank holds no image ---------------------------------------------------
+
+ROWS, SEQ = 2, 12  # rows per rank, tokens per row
+
+
+def _vlm_rows(family: str, rank: int, with_images: bool) -> dict:
+    """Rank `rank`'s rows of the global batch: image rows (image tokens, then text) or text-only
+    rows; the same on every call (seeded by rank)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(3, 240, (ROWS, SEQ), generator=g)
+    batch = {"input_ids": ids}
+    if not with_images:
+        return batch
+    if family == "llava":  # 16x16 image, 8x8 patches: 4 image tokens (CLS dropped)
+        ids[:, :4] = 255
+        batch["pixel_values"] = torch.randn(ROWS, 3, 16, 16, generator=g)
+    elif family == "qwen2_5_vl":  # 16x16 image: 4x4 patches of 4, merged 2x2: 4 image tokens
+        ids[:, 0], ids[:, 1:5] = 252, 250
+        batch["pixel_values"] = torch.randn(ROWS * 16, 3 * 2 * 4 * 4, generator=g)
+        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * ROWS)
+    else:
+        raise ValueError(family)
+    return batch
+
+
+def _global_batch(family: str, image_ranks: tuple[int, ...], world: int) -> dict:
+    parts = [_vlm_rows(family, r, r in image_ranks) for r in range(world)]
+    out = {"input_ids": torch.cat([p["input_ids"] for p in parts])}
+    for key in ("pixel_values", "image_grid_thw"):
+        if any(key in p for p in parts):
+            out[key] = torch.cat([p[key] for p in parts if key in p])
+    return out
+
+
+def _grad_gap(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        g = torch.zeros(p.shape) if p.grad is None else full_tensor(p.grad).float()
+        r = torch.zeros(p.shape) if ref[name].grad is None else ref[name].grad.float()
+        if g.numel():
+            worst = max(worst, float((g - r).abs().max()))
+    return worst
+
+
+def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), steps: int = 3,
+                run_tower_everywhere: bool = True) -> dict:
+    """`family` transformed at world 2 on a global batch where only `image_ranks` hold images,
+    vs the same model in one process on the whole batch: {"loss_diff", "grad_diff", "losses",
+    "tower_grad"} over `steps` SGD steps. `run_tower_everywhere=False` (negative control, run in
+    a subprocess: gloo aborts the process) turns smp's fix off."""
+    import copy
+
+    from smp.sharding import fsdp
+    from smp.testing.distributed import world_mean
+
+    original = fsdp.install_image_path_on_every_rank
+    if not run_tower_everywhere:
+        fsdp.install_image_path_on_every_rank = lambda model, groups: []
+    try:
+        with smp.session(config):
+            torch.manual_seed(0)
+            reference = build(family)
+            model = smp.transform(copy.deepcopy(reference))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            local = _vlm_rows(family, rank, rank in image_ranks)
+            whole = _global_batch(family, image_ranks, world)
+            report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": [], "tower_grad": 0.0}
+            for _ in range(steps):
+                loss = model(**local, labels=local["input_ids"]).loss
+                loss.backward()
+                ref_loss = reference(**whole, labels=whole["input_ids"]).loss
+                ref_loss.backward()
+                report["losses"].append(float(ref_loss.detach()))
+                report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss.detach()) - float(ref_loss.detach())))
+                report["grad_diff"] = max(report["grad_diff"], _grad_gap(model, reference))
+                report["tower_grad"] = max(report["tower_grad"], max(
+                    float(p.grad.abs().max()) for n, p in reference.named_parameters()
+                    if p.grad is not None and ("vision" in n or "visual" in n)))
+                opt.step(), ref_opt.step()
+                opt.zero_grad(), ref_opt.zero_grad()
+            return report
+    finally:
+        fsdp.install_image_path_on_every_rank = original
+
+
+def mixed_batch_in_subprocess(family: str, timeout: float = 150.0) -> dict:
+    """Run `mixed_batch` with smp's fix off in a fresh 2-rank pool inside a subprocess (the
+    collective mismatch aborts the processes): {"returncode", "tail"}."""
+    import subprocess
+    import sys
+
+    code = (
+        "from smp.testing.rank_pool import RankPool\n"
+        "from tests import vlm_cases\n"
+        "pool = RankPool(2)\n"
+        "try:\n"
+        f"    print('RESULT', pool.run(vlm_cases.mixed_batch, config={{}}, family={family!r}, steps=1,"
+        f" run_tower_everywhere=False, timeout={timeout - 60}))\n"
+        "finally:\n"
+        "    pool.close(force=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"returncode": None, "tail": f"timed out: {(e.stdout or '')[-500:]}"}
+    return {"returncode": done.returncode, "tail": (done.stdout + done.stderr)[-2000:]}
+
+
+# --- 6. 0-d parameters and contrastive losses ---------------------------------------------------
+
+def contrastive(config: dict, family: str, gather: bool = True, steps: int = 3) -> dict:
+    """CLIP / SigLIP at world 2, each rank its 2 rows of a 4-row batch, the loss over the global
+    batch from smp.vision's gathered embeddings, vs the model's own loss (`return_loss=True`) on
+    the whole batch in one process: {"loss_diff", "grad_diff", "losses", "scalar_is_0d"} over
+    `steps` SGD steps. `gather=False` (negative control) uses only this rank's rows."""
+    import copy
+
+    from smp.testing.distributed import world_mean
+    from smp.vision import contrastive as losses
+
+    with smp.session(config):
+        torch.manual_seed(0)
+        reference = build(family)
+        model = smp.transform(copy.deepcopy(reference))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(5)
+        ids, pixels = torch.randint(3, 250, (4, 8), generator=g), torch.randn(4, 3, 16, 16, generator=g)
+        rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+        group = None if gather else dist.new_group([dist.get_rank()])
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": [], "scalar_is_0d": model.logit_scale.dim() == 0}
+        for _ in range(steps):
+            out = model(input_ids=ids[rows], pixel_values=pixels[rows])
+            if family == "clip":
+                loss = losses.clip_loss(out.image_embeds, out.text_embeds, model.logit_scale, group)
+            else:
+                loss = losses.siglip_loss(out.image_embeds, out.text_embeds, model.logit_scale, model.logit_bias, group)
+            loss.backward()
+            ref_loss = reference(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+            ref_loss.backward()
+            report["losses"].append(float(ref_loss.detach()))
+            report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss.detach()) - float(ref_loss.detach())))
+            report["grad_diff"] = max(report["grad_diff"], _grad_gap(model, reference))
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        return report
+
+
+class _Scaled(torch.nn.Module):
+    """Two blocks and a 0-d temperature, as CLIP's logit_scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return (x * self.scale.exp()).logsumexp(-1).mean()
+
+
+def scalar_parameter(average: bool = True, steps: int = 3) -> dict:
+    """A model with a 0-d parameter at world 2, each rank its half of the batch, vs one process:
+    {"loss_diff", "grad_diff", "scale_grad_diff"}. `average=False` (negative control) leaves the
+    0-d parameter's gradient unaveraged (each rank's own)."""
+    import copy
+
+    from smp.sharding import fsdp
+    from smp.testing.distributed import world_mean
+
+    original = fsdp.average_scalar_gradients
+    if not average:
+        fsdp.average_scalar_gradients = lambda params, mesh: None
+    try:
+        with smp.session({}):
+            torch.manual_seed(0)
+            reference = _Scaled()
+            model = smp.transform(copy.deepcopy(reference))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+            local = batch[2 * dist.get_rank(): 2 * dist.get_rank() + 2]
+            report = {"loss_diff": 0.0, "grad_diff": 0.0, "scale_grad_diff": 0.0, "scalar_is_0d": model.scale.dim() == 0}
+            for _ in range(steps):
+                loss = model(local)
+                loss.backward()
+                ref_loss = reference(batch)
+                ref_loss.backward()
+                report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss.detach()) - float(ref_loss.detach())))
+                report["grad_diff"] = max(report["grad_diff"], _grad_gap(model, reference))
+                report["scale_grad_diff"] = max(report["scale_grad_diff"], float((model.scale.grad - reference.scale.grad).abs()))
+                opt.step(), ref_opt.step()
+                opt.zero_grad(), ref_opt.zero_grad()
+            return report
+    finally:
+        fsdp.average_scalar_gradients = original

@@ -32,6 +32,7 @@ from smp.checkpointing import atomic, metadata
 from smp.checkpointing.collective import is_dist as _dist
 from smp.checkpointing.collective import on_rank0
 from smp.checkpointing.collective import rank as _rank
+from smp.checkpointing.hf_checks import check_safetensors_files, load_error
 from smp.checkpointing.sharded import _agree_on_tmp, wait
 from smp import _compat
 from smp.errors import CheckpointError, SMPWarning
@@ -90,8 +91,11 @@ def export_hf(
         )
         dcp.save(state, storage_writer=writer, no_dist=not _dist())
 
+        scalars = {k: v for k, v in state.items() if v.dim() == 0}  # whole on every rank
+
         def finish() -> None:
             shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)  # per-rank pieces
+            _write_scalars(tmp, scalars)
             _save_model_config(model, tmp)
             metadata.write(tmp, meta)
             atomic.commit(out_dir, kind="hf")
@@ -102,6 +106,31 @@ def export_hf(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_scalars(directory: str, scalars: dict[str, torch.Tensor]) -> None:
+    """Write the values of 0-d tensors (CLIP's `logit_scale`) into the consolidated files, in
+    place: torch's consolidation (checked on 2.13) reserves their bytes but writes zeros there.
+    Each one's bytes are located from its file's safetensors header (8-byte length, JSON)."""
+    if not scalars:
+        return
+    import json
+
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            file_of = json.load(f)["weight_map"]
+    else:
+        file_of = dict.fromkeys(scalars, "model.safetensors")
+    for name, value in scalars.items():
+        data = value.detach().cpu().reshape(1).contiguous().view(torch.uint8).numpy().tobytes()
+        with open(os.path.join(directory, file_of[name]), "r+b") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            start, end = json.loads(f.read(header_len))[name]["data_offsets"]
+            if end - start != len(data):
+                raise CheckpointError(f"export_hf: {name} takes {end - start} bytes in the file, its value {len(data)}")
+            f.seek(8 + header_len + start)
+            f.write(data)
 
 
 def _one_copy_of_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -439,6 +468,7 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
     wait()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
     _check_hf_dir(hf_dir)
+    check_safetensors_files(hf_dir)  # truncated, unparsable or forged headers: named, before any read
     on_meta = has_meta_tensors(model)
     source = f"Hugging Face checkpoint {hf_dir!r}"
     state = get_model_state_dict(model)
@@ -465,5 +495,10 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
         )
     # Keyed by the file's names, holding the model's tensors: DCP writes straight into them.
     to_read = {key: state[target] for key, target in mapping.items()}
-    dcp.load(to_read, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=not _dist())
+    try:
+        dcp.load(to_read, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=not _dist())
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise load_error(e, hf_dir) from None
     set_model_state_dict(model, state)

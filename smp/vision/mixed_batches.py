@@ -1,0 +1,150 @@
+"""Batches where some ranks hold no image: the vision tower still runs on every rank.
+
+A VLM runs its vision tower (and projector) only when the batch holds images. Under FSDP the
+tower's units all-gather their parameters when they run and reduce-scatter gradients in
+backward: if one rank's rows are text-only, the others call collectives it never calls, and the
+job dies (gloo aborts the process; NCCL hangs). Mixed text-only and image rows are the normal
+case in VLM fine-tuning, so smp makes the tower run on every rank, as ZeRO-3 VLM trainers do: a
+rank without an image runs it on a blank image, at the point of the forward where the others
+run it on theirs, and adds `0 * (sum of its outputs)` to the model's hidden states. Its forward
+and backward then call the same collectives in the same order as everyone else's, and it adds
+exactly zero to every value and gradient: the result equals the one-process run on the
+global batch.
+
+Ranks agree first, with one 2-element all-reduce per forward, whether the batch is mixed; a
+model whose blank image smp does not know how to make is refused then, on every rank, naming
+its image-path modules, before any collective diverges.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp.errors import ConfigError
+
+
+def image_paths(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each multimodal model inside `model` whose forward takes `pixel_values`
+    and runs its image path through `get_image_features` (LlavaModel, Qwen2_5_VLModel,
+    Gemma3Model, PaliGemmaModel, ...): the innermost such module of each branch."""
+    found = [
+        (name, m) for name, m in model.named_modules()
+        if callable(getattr(m, "get_image_features", None))
+        and "pixel_values" in inspect.signature(m.forward).parameters
+    ]
+    return _innermost(found)
+
+
+def _innermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in found if not any(c is not m and c in set(m.modules()) for _, c in found)]
+
+
+def _blank_image(module: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
+    """Keyword arguments of `get_image_features` for one blank (all-zero) image of the smallest
+    size the tower takes, or None when smp does not know this tower's input layout."""
+    config = getattr(module, "config", None)
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return None
+    params = inspect.signature(module.get_image_features).parameters
+    if "image_grid_thw" in params:  # Qwen2-VL / Qwen2.5-VL: flattened patches + their grid
+        merge = getattr(vision, "spatial_merge_size", None)
+        patch = getattr(vision, "patch_size", None)
+        temporal = getattr(vision, "temporal_patch_size", None)
+        channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
+        if None in (merge, patch, temporal):
+            return None
+        return {"pixel_values": torch.zeros(merge * merge, channels * temporal * patch * patch, device=device, dtype=dtype),
+                "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
+    size, channels = getattr(vision, "image_size", None), getattr(vision, "num_channels", None)
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    if not isinstance(size, int) or not isinstance(channels, int):
+        return None
+    if any(p.default is inspect.Parameter.empty and n not in ("self", "pixel_values") and p.kind not in
+           (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL) for n, p in params.items()):
+        return None  # it needs more than the pixels (aspect ratios, tile masks): not known here
+    return {"pixel_values": torch.zeros(1, channels, size, size, device=device, dtype=dtype)}
+
+
+def _float_sum(value: Any) -> torch.Tensor | None:
+    """The sum of every floating-point tensor inside `value` (tensors, tuples, lists, dicts,
+    ModelOutputs), or None when it holds none."""
+    if isinstance(value, torch.Tensor):
+        return value.float().sum() if value.is_floating_point() else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    total = None
+    for item in items:
+        s = _float_sum(item)
+        if s is not None:
+            total = s if total is None else total + s
+    return total
+
+
+class _ImagePathOnEveryRank:
+    """Forward hooks on one multimodal module (see the module docstring)."""
+
+    def __init__(self, name: str, module: nn.Module, groups: list[dist.ProcessGroup]) -> None:
+        self.name, self.groups = name, groups
+        self.towers = sorted(n for n, c in module.named_children()
+                             if any(k in n for k in ("vision", "visual", "projector", "merger", "image")))
+        self.signature = inspect.signature(module.forward)
+        self.pending: torch.Tensor | None = None
+
+    def _has_images(self, args: tuple, kwargs: dict) -> bool:
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return kwargs.get("pixel_values") is not None
+        return bound.arguments.get("pixel_values") is not None
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        has = self._has_images(args, kwargs)
+        device = next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+        flags = torch.tensor([int(has), int(not has)], dtype=torch.int64,
+                             device=device if device.type != "meta" else "cpu")
+        for group in self.groups:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        if not (flags[0] and flags[1]):
+            return  # every rank has images, or none has: all call the same collectives
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        blank = _blank_image(module, flags.device, dtype)
+        if blank is None:
+            raise ConfigError(
+                f"some ranks' batches hold images and others' do not, and smp cannot run "
+                f"'{self.name or '<root>'}' ({type(module).__name__})'s image path "
+                f"({', '.join(self.towers) or 'get_image_features'}) on a blank image for the text-only "
+                "ranks: their FSDP units would all-gather on some ranks only. Give every rank at least "
+                "one image per step (e.g. a sampler that mixes image and text rows per rank)."
+            )
+        if not has:
+            self.pending = _float_sum(module.get_image_features(**blank))
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.pending is None:
+            return output
+        zero, self.pending = 0.0 * self.pending, None
+        if isinstance(output, tuple):
+            return (output[0] + zero.to(output[0].dtype), *output[1:])
+        output.last_hidden_state = output.last_hidden_state + zero.to(output.last_hidden_state.dtype)
+        return output
+
+
+def install_image_path_on_every_rank(model: nn.Module, groups: list[dist.ProcessGroup]) -> list[str]:
+    """Make each multimodal module of `model` run its image path on every rank of `groups`
+    (the data-parallel process groups its FSDP units communicate over, one per mesh dimension)
+    whenever some ranks' batches hold images and others' do not. Returns the modules' names."""
+    if not groups:
+        return []
+    names = []
+    for name, module in image_paths(model):
+        hooks = _ImagePathOnEveryRank(name, module, groups)
+        module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+        module.register_forward_hook(hooks.post, with_kwargs=True)
+        names.append(name)
+    return names
