@@ -1,4 +1,4 @@
-"""Tensor parallel on multimodal models, vs the single-process run.
+"""Tensor parallel on multimodal, vision and speech models, vs the single-process run.
 
 Sequence parallel applies to the language model only: a tiny LLaVA (CLIP vision tower, Llama text
 model) at TP=2 + sequence parallel, where the vision tower and the projector stay whole on every
@@ -11,6 +11,7 @@ the comparison must catch.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import tp_vlm_cases as cases
 from tests.tp_vocabulary_cases import assert_matches_one_process
@@ -37,3 +38,27 @@ def test_llava_flipped_image_is_caught(ranks):
     loss) must then differ from one process by far more than the tolerance."""
     reports = ranks(2).run(cases.equivalence, config=TP2_SP, kind="llava", steps=1, flip_image=True, timeout=300)
     assert min(r["grad_diff"] for r in reports) > 100 * TOL, [r["grad_diff"] for r in reports]
+
+
+# The contrastive families compare in float64: in float32 their text embeddings' gradients
+# (magnitude ~3.5, scaled by the logit scale 14.3) differ from one process by 1.6e-5 on the first
+# step already, rounding of the summation order (in float64 the same run differs by 2e-14).
+DTYPES = {"clip": torch.float64, "siglip": torch.float64}
+
+
+@pytest.mark.parametrize("kind", cases.VISION_FAMILIES)
+def test_vision_and_speech_tables_match_single_process(ranks, kind):
+    """ViT, DINOv2, CLIP, SigLIP (both towers) and Whisper (encoder, decoder, cross-attention)
+    ship no TP plan: smp's table splits their attention by heads and their MLP by features."""
+    dtype = DTYPES.get(kind, torch.float32)
+    reports = ranks(2).run(cases.equivalence, config=TP2, kind=kind, dtype=dtype, timeout=300)
+    assert reports[0]["sharded"] > 0, reports[0]
+    assert_matches_one_process(reports, TOL)
+    assert reports[0]["tp_plan"], reports[0]
+
+
+@pytest.mark.parametrize("kind", cases.VISION_FAMILIES)
+def test_vision_and_speech_missing_all_reduce_is_caught(ranks, kind):
+    """Negative control: one row-wise layer's partial sums left unsummed."""
+    reports = ranks(2).run(cases.equivalence, config=TP2, kind=kind, steps=1, corrupt=True, timeout=300)
+    assert max(max(r["grad_diff"], r["loss_diff"]) for r in reports) > 100 * TOL, [r["grad_diff"] for r in reports]

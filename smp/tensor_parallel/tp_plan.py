@@ -27,9 +27,23 @@ from smp.tensor_parallel.styles import is_conv1d
 
 StyleSpec = Union[str, ParallelStyle]
 
+def _attention_mlp(layers: str, attention: str, out: str, up: str, down: str) -> dict[str, str]:
+    """A transformer layer stack's plan: q/k/v split by heads, the attention output by rows,
+    the MLP's up projection by columns and its down projection by rows."""
+    return {
+        **{f"{layers}.*.{attention}.{p}_proj": "colwise" for p in ("q", "k", "v")},
+        f"{layers}.*.{attention}.{out}": "rowwise",
+        f"{layers}.*.{up}": "colwise",
+        f"{layers}.*.{down}": "rowwise",
+    }
+
+
 # Relative to the base model (`model.base_model`); the output head is added from
 # `get_output_embeddings()`. Fused projections whose parts are laid out [q | k | v] need the
 # packed style; GPT-NeoX's fused qkv is laid out per head, so plain colwise keeps heads whole.
+# Vision encoders (ViT, DINOv2, CLIP, SigLIP) and Whisper split their attention and MLP like a
+# decoder; patch/conv front-ends, position embeddings, pooling heads, classifiers and the
+# contrastive projections stay whole.
 SMP_TABLES: dict[str, dict[str, str]] = {
     "gpt2": {
         "wte": "embedding_rowwise",
@@ -44,6 +58,19 @@ SMP_TABLES: dict[str, dict[str, str]] = {
         "layers.*.attention.dense": "rowwise",
         "layers.*.mlp.dense_h_to_4h": "colwise",
         "layers.*.mlp.dense_4h_to_h": "rowwise",
+    },
+    "vit": _attention_mlp("layers", "attention", "o_proj", "mlp.fc1", "mlp.fc2"),
+    "dinov2": _attention_mlp("encoder.layer", "attention", "o_proj", "mlp.fc1", "mlp.fc2"),
+    **{t: _attention_mlp("encoder.layers", "self_attn", "out_proj", "mlp.fc1", "mlp.fc2")
+       for t in ("clip_vision_model", "clip_text_model", "siglip_vision_model", "siglip_text_model")},
+    **{t: {**_attention_mlp("text_model.encoder.layers", "self_attn", "out_proj", "mlp.fc1", "mlp.fc2"),
+           **_attention_mlp("vision_model.encoder.layers", "self_attn", "out_proj", "mlp.fc1", "mlp.fc2")}
+       for t in ("clip", "siglip")},
+    "whisper": {
+        **_attention_mlp("encoder.layers", "self_attn", "out_proj", "fc1", "fc2"),
+        **_attention_mlp("decoder.layers", "self_attn", "out_proj", "fc1", "fc2"),
+        **_attention_mlp("decoder.layers", "encoder_attn", "out_proj", "fc1", "fc2"),
+        "decoder.embed_tokens": "embedding_rowwise",  # tied to the head, `proj_out`
     },
 }
 HEAD_STYLE = reg.HEAD
