@@ -51,6 +51,13 @@ def unsupported(feature: str, package: str = "torch", needs: str = "", fix: str 
     return UnsupportedVersionError(f"{feature}{wanted} (installed: {package} {installed(package)}).{tail}")
 
 
+def require_torch(version: tuple[int, int], feature: str, why: str) -> None:
+    """Raise UnsupportedVersionError naming `feature` when the running torch is older than
+    `version` (major, minor); `why` says what fails there and what to do instead."""
+    if torch_version() < version:
+        raise unsupported(feature, needs=f">= {version[0]}.{version[1]}", fix=why)
+
+
 def _private(module: str, name: str) -> Any:
     """`module.name`, or None when this version lacks either."""
     try:
@@ -254,6 +261,17 @@ def style_io_functions(style: Any) -> tuple[Callable[..., Any], Callable[..., An
     if prepare_input is None or prepare_output is None:
         raise unsupported(f"a custom tensor-parallel style built on {type(style).__mro__[1].__name__}")
     return prepare_input, prepare_output
+
+
+def check_sequence_parallel() -> None:
+    """Refuse tensor-parallel sequence parallelism on a torch that cannot run it: torch 2.9's
+    DTensor has no sharding rule for `aten.alias`, which transformers' causal-LM heads apply to
+    the sequence-sharded hidden states (`hidden_states[:, slice(0, None), :]`), so the forward
+    fails there. Seen failing on 2.9.1, working on 2.11.0, 2.13.0, 2.14.1 (2.10 not tested)."""
+    require_torch((2, 11), "tensor_parallel.sequence_parallel",
+                  "torch 2.9 has no DTensor rule for aten.alias, which transformers' causal-LM heads run on "
+                  "the sequence-sharded hidden states: set tensor_parallel.sequence_parallel to false, or "
+                  "install torch >= 2.11.")
 
 
 # ----------------------------------------------------------------------------------------------
