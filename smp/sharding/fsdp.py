@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from smp.config import canonical_dtype
@@ -23,6 +24,35 @@ def offload_policy(cpu_offload: bool) -> OffloadPolicy:
         return OffloadPolicy()
     # Pinned host memory makes host<->device copies async; it needs an accelerator to exist.
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+
+
+def fsdp_needed(
+    shard_ranks: int, *, param_dtype: torch.dtype | None, output_dtype: torch.dtype | None,
+    cpu_offload: bool, custom_sync: bool,
+) -> bool:
+    """Whether FSDP has work to do. Over one rank (tensor parallel taking the whole world) it
+    shards nothing and reduces nothing (so its reduce dtype means nothing), and only adds copies
+    to each step: smp skips it, as torchtitan does, unless one of FSDP's other jobs is asked for:
+    casting parameters or outputs (mixed precision), CPU offload, or smp's own gradient-sync
+    collectives (installed on FSDP units)."""
+    if shard_ranks > 1:
+        return True
+    return param_dtype is not None or output_dtype is not None or cpu_offload or custom_sync
+
+
+def settle_partial_grads(model: nn.Module) -> None:
+    """Without FSDP, give each DTensor parameter's gradient the parameter's own placements right
+    after backward accumulates it, as FSDP does before it reduces. A replicated weight applied to
+    sequence shards (sequence-parallel norms) gets a pending-sum (Partial) gradient; left so,
+    every optimizer op that reads it would all-reduce it again."""
+    def settle(param: torch.Tensor) -> None:
+        grad = param.grad
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(placements=param.placements)
+
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(settle)
 
 
 def apply_fsdp(
