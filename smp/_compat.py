@@ -410,6 +410,11 @@ def strided_shard_type() -> type:
     return cls
 
 
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """The placement `_StridedShard(dim, split_factor=split_factor)` (see `strided_shard_type`)."""
+    return strided_shard_type()(dim, split_factor=split_factor)
+
+
 def fake_store() -> Any:
     """A store for torch's fake process group (one process stands in for any rank of a large
     world): `torch.testing._internal.distributed.fake_pg.FakeStore`, 2.9-2.14. Importing it
