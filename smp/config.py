@@ -16,7 +16,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from smp.config_file import read_config_file
+from smp.config_file import parse_json_config, read_config_file
 from smp.errors import ConfigError  # raised by load_config; importable from here too
 
 
@@ -159,7 +159,7 @@ class MoEConfig(_Strict):
     # SMP v2's sinkhorn / balanced routing are not implemented: refused, never ignored.
     moe_load_balancing: Literal["aux_loss", "none", "sinkhorn", "balanced"] | None = None
     # The load-balancing loss weight; None keeps the model's own `router_aux_loss_coef`.
-    moe_aux_loss_coeff: float | None = Field(default=None, ge=0)
+    moe_aux_loss_coeff: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     # Router z-loss weight: not implemented, so only 0 is accepted.
     moe_z_loss_coeff: float = Field(default=0.0, ge=0)
     # Tokens go to the ranks of their experts by all-to-all, within each expert-parallel group;
@@ -169,7 +169,7 @@ class MoEConfig(_Strict):
     # None: no token is dropped. c: each expert takes at most ceil(c x tokens x top_k / experts)
     # of a rank's token choices per layer; the overflow contributes zero and is counted
     # (smp.expert_parallel.expert_load).
-    capacity_factor: float | None = Field(default=None, gt=0)
+    capacity_factor: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     # Module-name pattern -> "ep_dispatch_experts" (an experts module) or "grouped_gemm" (one
     # of its [num_experts, ...] parameters). Overrides the model's own `base_model_ep_plan`.
     plan: dict[str, str] | None = None
@@ -536,12 +536,8 @@ def _config_from_environment() -> SMPConfig:
     raw = os.environ.get(SAGEMAKER_CONFIG_ENV)
     if not raw:
         return from_path
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"${SAGEMAKER_CONFIG_ENV} is not valid JSON ({e}): {raw[:200]!r}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"${SAGEMAKER_CONFIG_ENV} must hold a JSON object of keys, not {type(data).__name__}")
+    # The config file's bounds: size, nesting depth (a RecursionError otherwise), duplicate keys.
+    data = parse_json_config(raw, f"${SAGEMAKER_CONFIG_ENV}")
     try:
         from_sagemaker = load_config(data)
     except ConfigError as e:

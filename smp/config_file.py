@@ -66,6 +66,20 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def parse_json_config(text: str, name: str) -> dict[str, Any]:
+    """A config given as JSON text (e.g. in an environment variable), with the file's bounds:
+    size, nesting depth, duplicate keys. `name` says where it came from, for the ConfigError."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{name} is longer than {MAX_CONFIG_BYTES >> 20} MiB; a config is a few keys")
+    try:
+        data = _parse_json(text)
+    except (json.JSONDecodeError, _TooLarge) as e:
+        raise ConfigError(f"{name} is not valid JSON: {_one_line(e)}; starts with {text[:100]!r}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name} must hold a JSON object of keys, not {type(data).__name__}")
+    return data
+
+
 class _TooLarge(ValueError):
     """Nesting or duplicate keys in JSON (yaml's own errors carry a position instead)."""
 

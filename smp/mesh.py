@@ -81,13 +81,21 @@ class ParallelDims:
             )
         if hybrid == 0:  # shard over every data-parallel rank
             dp_shard, dp_replicate = dp // cp, 1
-        elif dp % hybrid or hybrid % cp:
+        elif dp % hybrid:
             raise ConfigError(
                 f"hybrid_shard_degree={hybrid} does not divide the data-parallel size {dp} = "
                 f"world_size / tensor_parallel_degree ({degrees}); use 0 (shard over all), 1 "
                 f"(replicate) or a divisor of {dp}"
                 + (f" that is a multiple of context_parallel_degree={cp} (FSDP shards over the cp "
                    f"ranks too)" if cp > 1 else "")
+            )
+        elif hybrid % cp:
+            multiples = [m for m in range(cp, dp + 1, cp) if dp % m == 0]
+            raise ConfigError(
+                f"hybrid_shard_degree={hybrid} is not a multiple of context_parallel_degree={cp} "
+                f"({degrees}): FSDP shards over the cp ranks too, so each shard group holds whole cp "
+                f"groups; use 0 (shard over all) or one of {multiples} (multiples of {cp} that divide "
+                f"the data-parallel size {dp})"
             )
         else:
             dp_shard, dp_replicate = hybrid // cp, dp // hybrid

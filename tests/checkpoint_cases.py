@@ -368,6 +368,7 @@ def error_messages(config: dict, root: str) -> dict[str, str]:
             open(os.path.join(root, "random_dir", "notes.txt"), "w").close()
             os.makedirs(os.path.join(root, "half"), exist_ok=True)
             open(os.path.join(root, "half", ".metadata"), "w").close()  # DCP data, never committed
+            open(os.path.join(root, "half", "smp_meta.json"), "w").close()  # by smp (a plain DCP folder has none)
         dist.barrier()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         tiny = os.path.join(root, "tiny")

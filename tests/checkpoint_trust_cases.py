@@ -420,6 +420,15 @@ def _full_writes(where: str, rank: int):
     def full() -> OSError:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    if where == "unexpected_pos":  # torch.save's report of a short write, with free space left
+        original_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if dist.get_rank() == rank and "smp_extra" in str(f):
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 470")
+            return original_save(obj, f, *args, **kwargs)
+        torch.save = save
+        return lambda: setattr(torch, "save", original_save)
     if where == "data":
         original = FileSystemWriter.write_data
 
@@ -452,7 +461,8 @@ def disk_full(config: dict, root: str, inject: str | None) -> dict:
         ck.save(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
         at_1 = _params(model)
         _train_step(model, opt, seed=5)
-        undo = _full_writes(inject, dist.get_world_size() - 1 if inject == "data" else 0) if inject else None
+        last = dist.get_world_size() - 1
+        undo = _full_writes(inject, last if inject in ("data", "unexpected_pos") else 0) if inject else None
         out = {}
         try:
             out["sync"] = _error(ck.save, os.path.join(root, "step_2"), model, opt, extra={"step": 2})
@@ -541,6 +551,12 @@ def planted_files(config: dict, root: str) -> dict:
             out[f"{plant}_warned"] = any(os.path.basename(path) in m for m in warned.messages) or warned.messages
             out[f"{plant}_load"], out[f"{plant}_load_s"] = _timed(ck.load, path, model, opt)
             _on_rank0(lambda: shutil.rmtree(path))
+        # A folder torch.distributed.checkpoint wrote without smp: not an unfinished smp save.
+        plain = os.path.join(root, "plain_dcp")
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": {"w": torch.ones(2)}}, checkpoint_id=plain)
+        out["plain_dcp"] = _error(ck.load, plain, model)
         fresh, fresh_opt = _fresh()
         out["ok"] = _error(ck.load, os.path.join(root, "step_1"), fresh, fresh_opt)
     return out
@@ -680,4 +696,51 @@ def two_runs(config: dict, root: str) -> dict:
         ck.save(os.path.join(solo, "step_1"), fresh, extra={"step": 1})
         ck.save(os.path.join(solo, "step_2"), fresh, extra={"step": 2}, keep_last=1)
         out["unnamed_solo_listing"] = sorted(os.listdir(solo))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. load_hf on a damaged or forged safetensors folder
+
+
+def hf_damage(config: dict, root: str) -> dict:
+    """An export truncated, or with a forged DCP_SHARDING_INFO (offsets that place a tensor
+    outside itself, or not JSON): a CheckpointError naming the file, never a raw SafetensorError
+    or DCP CheckpointException. The clean export loads (`ok`)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tests.checkpoint_cases import _llama
+
+    out = {}
+    with smp.session(config):
+        ck = smp.checkpointing
+        model = smp.transform(_llama(0))
+        clean = os.path.join(root, "hf")
+        ck.export_hf(clean, model)
+        name = next(f for f in sorted(os.listdir(clean)) if f.endswith(".safetensors"))
+        out["file"] = name
+
+        def damaged(kind: str) -> str:
+            path = os.path.join(root, kind)
+
+            def make():
+                shutil.copytree(clean, path)
+                file = os.path.join(path, name)
+                if kind == "truncated":
+                    os.truncate(file, os.path.getsize(file) // 2)
+                    return
+                with safe_open(file, "pt") as f:
+                    tensors = {k: f.get_tensor(k) for k in f.keys()}
+                    meta = dict(f.metadata() or {})
+                key = sorted(tensors)[0]
+                meta["DCP_SHARDING_INFO"] = ("{not json" if kind == "forged_text" else
+                                             json.dumps({key: {"saved_offsets": [5] * tensors[key].dim()}}))
+                save_file(tensors, file, metadata=meta)
+            _on_rank0(make)
+            return path
+
+        for kind in ("truncated", "forged_offsets", "forged_text"):
+            out[kind] = _error(ck.load_hf, damaged(kind), smp.transform(_llama(1)))
+        out["ok"] = _error(ck.load_hf, clean, smp.transform(_llama(1)))
     return out

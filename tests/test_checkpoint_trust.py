@@ -123,7 +123,7 @@ def _disk_full_checks(results: list[dict]) -> None:
         assert r["latest"] == "step_1" and r["step"] == 1 and r["intact"], r
 
 
-@pytest.mark.parametrize("where", ["data", "partial_marker", "commit"])
+@pytest.mark.parametrize("where", ["data", "partial_marker", "commit", "unexpected_pos"])
 def test_disk_full_injected(ranks, tmp_path, where):
     _disk_full_checks(ranks(2).run(cases.disk_full, config={}, root=str(tmp_path), inject=where))
 
@@ -154,6 +154,7 @@ def test_planted_files_are_refused_fast(ranks, tmp_path, world):
         for plant in ("meta_devzero", "meta_fifo"):
             assert r[f"{plant}_warned"] is True, (plant, r[f"{plant}_warned"])
         assert "symbolic link" in r["meta_devzero_load"] and "FIFO" in r["meta_fifo_load"], r
+        assert _refused(r["plain_dcp"], "not written by smp", "torch.distributed.checkpoint.load"), r["plain_dcp"]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -183,3 +184,12 @@ def test_two_runs_sharing_a_root(ranks, tmp_path, world):
         assert _refused(r["unnamed_latest"], "run-a", "run-b", "SMP_RUN_ID"), r["unnamed_latest"]
         assert r["torchrun_restart_latest"] == "step_1" and r["torchrun_new_launch_latest"] is None, r
         assert r["unnamed_solo_latest"] == "step_1" and r["unnamed_solo_listing"] == ["step_2"], r
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_load_hf_names_a_damaged_or_forged_file(ranks, tmp_path, world):
+    for r in ranks(world).run(cases.hf_damage, config={}, root=str(tmp_path)):
+        assert r["ok"] == "", r["ok"]
+        assert _refused(r["truncated"], r["file"], "truncated"), r["truncated"]
+        for kind in ("forged_offsets", "forged_text"):
+            assert _refused(r[kind], r["file"], "DCP_SHARDING_INFO"), (kind, r[kind])

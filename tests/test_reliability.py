@@ -474,3 +474,50 @@ def test_trainer_resumes_after_rank0_died_between_commit_and_trainer_state(ranks
     # Negative control: a folder whose save never committed is not trusted for its Trainer state.
     with pytest.raises(Exception, match="has no trainer_state.json and it is not a committed smp checkpoint"):
         ranks(2).run(trainer_cases.train, config={}, output_dir=str(tmp_path / "c"), save_steps=2, resume=True)
+
+
+def test_sagemaker_parameters_have_the_config_file_bounds(monkeypatch):
+    """$SM_HP_MP_PARAMETERS 50,000 levels deep raised a RecursionError, and a key given twice
+    was taken silently (the last one won); the config file refuses both. A plain one loads."""
+    from smp.config import load_config
+
+    monkeypatch.delenv("SMP_CONFIG", raising=False)
+    cases = {"deep": '{"a": ' * 50_000 + "1" + "}" * 50_000,
+             "duplicate": '{"tensor_parallel_degree": 2, "tensor_parallel_degree": 1}'}
+    for case, text in cases.items():
+        monkeypatch.setenv("SM_HP_MP_PARAMETERS", text)
+        with pytest.raises(smp.ConfigError) as e:
+            load_config(None)
+        assert "SM_HP_MP_PARAMETERS" in str(e.value) and len(str(e.value)) < 600, (case, str(e.value)[:600])
+        assert ("nested deeper" if case == "deep" else "appears twice") in str(e.value), (case, e.value)
+    monkeypatch.setenv("SM_HP_MP_PARAMETERS", '{"tensor_parallel_degree": 1}')
+    assert load_config(None).tensor_parallel_degree == 1  # negative control
+
+
+@pytest.mark.parametrize("key", ["moe_aux_loss_coeff", "capacity_factor"])
+def test_infinite_moe_numbers_are_refused(key, tmp_path):
+    """`.inf` passed `smp check`; a finite value beside it still does (negative control)."""
+    from smp.config import load_config
+
+    path = tmp_path / "moe.yaml"
+    for value, ok in ((".inf", False), ("1.5", True)):
+        path.write_text(f"moe:\n  {key}: {value}\n")
+        if ok:
+            assert getattr(load_config(str(path)).moe, key) == 1.5
+        else:
+            with pytest.raises(smp.ConfigError, match=key):
+                load_config(str(path))
+
+
+def test_cp_hybrid_message_names_the_real_reason():
+    """cp 2, hybrid 3 at world 6: 3 divides 6, the problem is that 3 is not a multiple of 2."""
+    from smp.config import load_config
+    from smp.mesh import ParallelDims
+
+    with pytest.raises(smp.ConfigError) as e:
+        ParallelDims.from_config(load_config({"context_parallel_degree": 2, "hybrid_shard_degree": 3}), 6)
+    message = str(e.value)
+    assert "is not a multiple of context_parallel_degree=2" in message and "does not divide" not in message, message
+    assert "[2, 6]" in message, message
+    with pytest.raises(smp.ConfigError, match="hybrid_shard_degree=4 does not divide the data-parallel size 6"):
+        ParallelDims.from_config(load_config({"context_parallel_degree": 2, "hybrid_shard_degree": 4}), 6)

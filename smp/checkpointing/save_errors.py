@@ -35,14 +35,19 @@ def summary(e: BaseException) -> str:
 
 def is_disk_full(e: BaseException, directory: str, needed: int) -> bool:
     """ENOSPC / EDQUOT anywhere in the error (exceptions from other ranks arrive pickled, as
-    text), or less free space than the save needs: torch.save's C++ writer reports a full
-    disk only as `[enforce fail at inline_container.cc] unexpected pos`."""
+    text), torch.save's C++ writer's `[enforce fail at inline_container.cc] unexpected pos` (its
+    only report of a full disk), or an OSError with less free space than the save needs."""
     for x in causes(e):
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if "No space left on device" in str(x) or "Disk quota exceeded" in str(x):
             return True
-    if not any(isinstance(x, OSError) or "unexpected pos" in str(x) for x in causes(e)):
+        # torch.save's zip writer found fewer bytes on disk than it wrote: a short write, which
+        # a full disk or quota causes (the free space may be back by the time we look: another
+        # rank's partial files are removed as its own write fails).
+        if "unexpected pos" in str(x) and "inline_container" in str(x):
+            return True
+    if not any(isinstance(x, OSError) for x in causes(e)):
         return False  # not a write failure (an unpicklable `extra`, a planner error)
     try:
         return shutil.disk_usage(directory).free < needed

@@ -36,6 +36,16 @@ def check_directory(path: str) -> dict[str, Any]:
             except NotReadable as e:
                 raise CheckpointError(f"{os.path.join(path, name)!r} {e}; the checkpoint is damaged or unsafe: "
                                       f"load another one (latest(root) skips such folders)") from None
+    smp_files = (metadata.META_FILE, atomic.COMMIT_FILE, atomic.PARTIAL_FILE)
+    if (os.path.lexists(os.path.join(path, safe_read.DCP_METADATA_FILE)) and not os.path.basename(path).endswith(
+            atomic.PARTIAL_SUFFIX) and not any(os.path.lexists(os.path.join(path, f)) for f in smp_files)):
+        raise CheckpointError(
+            f"{path!r} was not written by smp: it is a plain torch.distributed.checkpoint folder (a "
+            f".metadata, none of {', '.join(smp_files)}), so it has no record of what it holds and no "
+            f"digests to verify. If you trust it, load it with torch.distributed.checkpoint.load("
+            f"state_dict, checkpoint_id={path!r}) (which unpickles its .metadata without smp's "
+            f"allow-list), then smp.checkpointing.save it to get a verified smp checkpoint"
+        )
     if os.path.basename(path).endswith(atomic.PARTIAL_SUFFIX) or (
         os.path.exists(os.path.join(path, ".metadata")) and not atomic.is_committed(path)
     ):
