@@ -37,7 +37,7 @@ MATMULS = ("aten.mm", "aten.addmm", "aten.bmm")
 
 
 def modes(horizon: int, min_bytes: int) -> dict[str, dict]:
-    offload = {"sm_activation_offloading": True, "activation_loading_horizon": horizon,
+    offload = {"activation_offloading": True, "activation_loading_horizon": horizon,
                "activation_offload_min_bytes": min_bytes}
     return {
         "none": {},
@@ -54,7 +54,7 @@ def build(base: torch.nn.Module, config: dict, device: torch.device):
     cfg = load_config(config)
     ac = cfg.activation_checkpointing
     apply_activation_checkpointing(model, blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops)
-    if cfg.sm_activation_offloading:
+    if cfg.activation_offloading:
         apply_activation_offloading(
             model, blocks, horizon=cfg.activation_loading_horizon, min_bytes=cfg.activation_offload_min_bytes
         )

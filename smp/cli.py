@@ -111,7 +111,7 @@ def describe_recipe(cfg: SMPConfig, dims: ParallelDims) -> list[str]:
     else:
         every = f", every {ac.every_n_layers} blocks" if ac.every_n_layers > 1 else ""
         lines.append(f"2. activation checkpointing: {ac.mode}{every}")
-    if cfg.sm_activation_offloading:
+    if cfg.activation_offloading:
         lines.append(f"   activation offloading to host, loading horizon {cfg.activation_loading_horizon}")
     if dims.dp_replicate > 1 and dims.dp_shard > 1:
         shard = f"hybrid: shard inside groups of {dims.dp_shard}, replicate across {dims.dp_replicate}"

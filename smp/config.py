@@ -281,13 +281,16 @@ class SMPConfig(_Strict):
     # the model's layers (docs/pipeline-parallel.md).
     pipeline_parallel_degree: int = Field(default=1, ge=1)
 
-    # --- activations (SMP v2 keys) ---
-    sm_activation_offloading: bool = Field(default=False, alias="activation_offloading")
+    # --- activations ---
+    # Offload each block's saved activations to host memory (SMP v2: sm_activation_offloading).
+    activation_offloading: bool = Field(default=False, alias="sm_activation_offloading")
     # How many layers' offloaded activations are brought back ahead of backward. Larger hides
     # more copy latency, costs horizon x (one layer's activations) of device memory.
     activation_loading_horizon: int = Field(default=2, ge=1)
     # Saved tensors smaller than this stay on the device: their copy costs more in launch
     # latency than it frees (norm statistics, masks). Lower it for tiny models and tests.
+    # A config that says `sm_activation_offloading` (SMP v2's key) and not this one gets 0:
+    # SMP v2 offloads every checkpointed activation (`_smp_v2_offloading` below).
     activation_offload_min_bytes: int = Field(default=1 << 20, ge=0)
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
 
@@ -326,6 +329,14 @@ class SMPConfig(_Strict):
     # instead of hanging forever.
     # Bounded above (about 31 years): torch turns it into a timedelta, which inf would overflow.
     collective_timeout_seconds: float = Field(default=600.0, gt=0, le=1e9)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _smp_v2_offloading(cls, data: Any) -> Any:
+        """A config in SMP v2's terms offloads as SMP v2 does: every saved activation."""
+        if isinstance(data, dict) and "sm_activation_offloading" in data and "activation_offload_min_bytes" not in data:
+            data = {**data, "activation_offload_min_bytes": 0}
+        return data
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from smp._compat import flatten_mesh
 from smp import scope as _scope
 from smp.config import ConfigError, ConfigSource, SMPConfig, load_config
 from smp.mesh import ParallelDims, default_backend, device_type_for
@@ -91,30 +90,10 @@ class _State:
     def dp_replicate_rank(self) -> int:
         return self.mesh["dp_replicate"].get_local_rank()
 
-    # --- SageMaker model parallelism v2 names (docs/migrating-from-smp-v2.md#state) ---
+    # Expert parallel: the ep axis, when the mesh has one.
     def _axis(self, name: str) -> DeviceMesh | None:
         """The mesh axis `name`, or None when this run's mesh has none (its degree is then 1)."""
         return self.mesh[name] if name in (self.mesh.mesh_dim_names or ()) else None
-
-    @property
-    def tensor_parallel_degree(self) -> int:
-        return self.dims.tp
-
-    @property
-    def context_parallel_degree(self) -> int:
-        return self.cp_size
-
-    @property
-    def expert_parallel_degree(self) -> int:
-        return self.ep_size
-
-    @property
-    def hybrid_shard_degree(self) -> int:  # as configured (SMP: "a copy from user input")
-        return self.config.hybrid_shard_degree
-
-    @property
-    def sm_activation_offloading(self) -> bool:
-        return self.config.sm_activation_offloading
 
     @cached_property
     def ep_rank(self) -> int:
@@ -125,39 +104,6 @@ class _State:
     def ep_size(self) -> int:
         axis = self._axis("ep")
         return 1 if axis is None else axis.size()
-
-    @property
-    def tp_process_group(self) -> dist.ProcessGroup:
-        return self.mesh["tp"].get_group()
-
-    @property
-    def cp_process_group(self) -> dist.ProcessGroup | None:  # None without a "cp" axis
-        axis = self._axis("cp")
-        return None if axis is None else axis.get_group()
-
-    @property
-    def world_process_group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
-
-    @cached_property
-    def rep_rank_process_group(self) -> dist.ProcessGroup:
-        """The ranks with this rank's replication rank: its whole replica (every axis but
-        dp_replicate). Under HSDP with more than one inner axis the first read creates the
-        group, a collective: read it on every rank, as SMP scripts do."""
-        if self.dims.dp_replicate == 1:
-            return dist.group.WORLD
-        names = self.mesh.mesh_dim_names or ()
-        inner = tuple(n for n in names if n != "dp_replicate" and self.mesh[n].size() > 1) or ("dp_shard",)
-        if len(inner) == 1:
-            return self.mesh[inner[0]].get_group()
-        return flatten_mesh(self.mesh, inner, "_".join(inner)).get_group()
-
-    @cached_property
-    def ranker(self) -> Any:
-        """SMP's rank arithmetic (get_rep_rank, get_rep_groups, ...) over this run's mesh."""
-        from smp.sagemaker.ranker import Ranker  # imported here: smp.sagemaker imports this module
-
-        return Ranker(self.mesh)
 
 
 class _StateProxy:

@@ -86,7 +86,7 @@ def apply_parallelism(
     apply_activation_checkpointing(
         model, blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops
     )
-    if cfg.sm_activation_offloading:
+    if cfg.activation_offloading:
         apply_activation_offloading(
             model, blocks, horizon=cfg.activation_loading_horizon, min_bytes=cfg.activation_offload_min_bytes
         )

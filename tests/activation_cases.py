@@ -26,7 +26,7 @@ def apply_activations(model: torch.nn.Module, blocks: list[torch.nn.Module], cfg
     """The activation steps of smp.transform alone (no FSDP), with the config unpacked as there."""
     ac = cfg.activation_checkpointing
     apply_activation_checkpointing(model, blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops)
-    if cfg.sm_activation_offloading:
+    if cfg.activation_offloading:
         apply_activation_offloading(
             model, blocks, horizon=cfg.activation_loading_horizon, min_bytes=cfg.activation_offload_min_bytes
         )

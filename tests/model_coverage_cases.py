@@ -41,7 +41,7 @@ EXTRA_FAMILIES = ("bert-mlm", "t5", "gpt2")
 # CASE_FUNCTIONS names): the tests and the script share them.
 TP2 = {"tensor_parallel_degree": 2}  # the model's own plan (base_model_tp_plan)
 # Offload every saved activation: the default threshold (1 MiB) keeps all of a tiny model's on device.
-AC_OFFLOAD = {"activation_checkpointing": "full", "sm_activation_offloading": True, "activation_offload_min_bytes": 0}
+AC_OFFLOAD = {"activation_checkpointing": "full", "activation_offloading": True, "activation_offload_min_bytes": 0}
 MODES = {
     "fsdp": dict(config={}, delayed=False),
     "delayed": dict(config={}, delayed=True),
@@ -243,7 +243,7 @@ def _unproven(config: dict, report: dict) -> str:
     """Why an exact-looking cell proves nothing about its mode ('' when it does)."""
     if config.get("tensor_parallel_degree", 1) > 1 and not report["tp_split"]:
         return "tensor parallel split no parameter: the model ran whole on each rank"
-    if config.get("sm_activation_offloading") and not report["offloaded_bytes"]:
+    if config.get("activation_offloading") and not report["offloaded_bytes"]:
         return "activation offloading moved no activation to host"
     return ""
 

@@ -88,7 +88,9 @@ def state_names(*, config: dict) -> dict:
     try:
         st = tsm.state
         names = {
-            "same_proxy": st is smp.state,
+            "same_run": (st.rank, st.dp_rank, st.mesh) == (smp.state.rank, smp.state.dp_rank, smp.state.mesh),
+            "core_lacks_v2_names": not any(hasattr(smp.state, n) for n in ("tensor_parallel_degree", "ranker",
+                                                                         "rep_rank_process_group")),
             "degrees": [st.tensor_parallel_degree, st.context_parallel_degree, st.expert_parallel_degree,
                         st.hybrid_shard_degree],
             "offloading": st.sm_activation_offloading,
@@ -216,4 +218,33 @@ def cp_precut_losses(*, config: dict, position_handling: bool = True, via_sagema
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
         hf.complete_inputs = saved
+        smp.shutdown()
+
+
+def save_paths(*, root: str) -> dict:
+    """Each TP rank saves into its own tp2-<rank> folder: with the default (world) group the ranks
+    disagree on the path and every rank is refused; with model.process_group (the ranks that
+    share the folder) each folder is a whole checkpoint."""
+    import smp.sagemaker as tsm
+    from smp.sagemaker.distributed.checkpoint.state_dict_saver import save
+    from smp.testing.models import tiny_llama
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    with _environment(SM_HP_MP_PARAMETERS=None, SMP_CONFIG=None):
+        tsm.init({"tensor_parallel_degree": 2, "sm_activation_offloading": False})
+    try:
+        model = tsm.transform(tiny_llama())
+        folder = os.path.join(root, f"tp2-{tsm.state.tp_rank}")
+        state = {"model": get_state_dict(model, [])[0]}
+        out = {}
+        try:
+            save(state, checkpoint_id=folder)
+            out["world"] = "saved"
+        except smp.Error as e:
+            out["world"] = str(e)
+        group = model.process_group
+        save(state, checkpoint_id=folder, process_group=group, coordinator_rank=min(dist.get_process_group_ranks(group)))
+        out["per_group"] = "saved"
+        return out
+    finally:
         smp.shutdown()

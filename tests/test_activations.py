@@ -25,7 +25,7 @@ from smp.activations.checkpointing import is_checkpointed
 from tests import activation_cases as cases
 from tests.activation_cases import GLOBAL_BATCH, LAYERS, SEQ, single_process_run
 
-OFF = {"sm_activation_offloading": True, "activation_offload_min_bytes": 0}
+OFF = {"activation_offloading": True, "activation_offload_min_bytes": 0}
 FULL = {"activation_checkpointing": "full"}
 SELECTIVE = {"activation_checkpointing": "selective"}
 MODES = [{}, FULL, SELECTIVE, OFF, {**OFF, **FULL}, {**OFF, **SELECTIVE}]
@@ -52,7 +52,7 @@ def test_bad_values_raise_config_error(config, key):
 def test_spellings():
     assert smp.load_config({"activation_checkpointing": "full"}).activation_checkpointing.mode == "full"
     assert smp.load_config({"activation_checkpointing": True}).activation_checkpointing.mode == "full"
-    assert smp.load_config({"activation_offloading": True}).sm_activation_offloading
+    assert smp.load_config({"activation_offloading": True}).activation_offloading
     cfg = smp.load_config({"activation_checkpointing": {"mode": "selective", "save_ops": ["aten.mm.default"]}})
     assert cfg.activation_checkpointing.save_ops == ["aten.mm.default"]
 

@@ -30,7 +30,7 @@ def test_dict_json_yaml_are_equal(tmp_path):
     (tmp_path / "c.yml").write_text(yaml.safe_dump(SMP_V2))
     configs = [load_config(SMP_V2)] + [load_config(tmp_path / n) for n in ("c.json", "c.yaml", "c.yml")]
     assert all(c == configs[0] for c in configs)
-    assert configs[0].sm_activation_offloading and configs[0].activation_loading_horizon == 3
+    assert configs[0].activation_offloading and configs[0].activation_loading_horizon == 3
 
 
 def test_smp_v2_keys_accepted_verbatim():
@@ -41,7 +41,7 @@ def test_smp_v2_keys_accepted_verbatim():
 @pytest.mark.parametrize(
     "alias,field,value",
     [
-        ("activation_offloading", "sm_activation_offloading", True),
+        ("sm_activation_offloading", "activation_offloading", True),
         ("delayed_parameter_initialization", "delayed_param_initialization", True),
     ],
 )

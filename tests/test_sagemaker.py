@@ -95,7 +95,7 @@ def test_load_state_dict_from_rank0(ranks):
 def test_state_names_on_hybrid_sharding(ranks):
     results = ranks(4).run(cases.state_names, config={"hybrid_shard_degree": 2, "sm_activation_offloading": True})
     for rank, r in enumerate(results):
-        assert r["same_proxy"]
+        assert r["same_run"] and r["core_lacks_v2_names"]
         assert r["degrees"] == [1, 1, 1, 2] and r["offloading"] is True
         assert r["cp"] == [0, 1, None] and r["ep"] == [0, 1]
         assert r["tp_group"] == [rank] and r["world_group"] == [0, 1, 2, 3]
@@ -120,6 +120,8 @@ def test_state_names_with_tensor_parallel(ranks):
 def test_state_is_read_only_before_init():
     with pytest.raises(AttributeError, match="read-only"):
         smp.state.tensor_parallel_degree = 2
+    with pytest.raises(AttributeError, match="read-only.*SM_HP_MP_PARAMETERS"):
+        tsm.state.tensor_parallel_degree = 1  # SMP v2 scripts' non-SMP path: set the config instead
     with pytest.raises(AttributeError, match="read-only"):
         del smp.state.rank
 
@@ -207,47 +209,111 @@ def test_fsdp1_wrap_of_a_transformed_model_says_what_to_change(clean_env):
 def test_differences_are_warned_once(clean_env):
     from smp.sagemaker import _session
 
-    cfg = load_config({"allow_empty_shards": False, "sm_activation_offloading": True})
+    cfg = load_config({"allow_empty_shards": False})
     keys = [key for key, _ in _session.config_differences(cfg, ParallelDims.from_config(cfg, 4))]
     assert keys == ["hybrid_shard_degree", "sm_activation_offloading", "allow_empty_shards"]
-    quiet = load_config({"hybrid_shard_degree": 2, "sm_activation_offloading": False})
+    quiet = load_config({"hybrid_shard_degree": 2, "sm_activation_offloading": True})
     assert _session.config_differences(quiet, ParallelDims.from_config(quiet, 4)) == []
+    floor = load_config({"activation_offloading": True, "hybrid_shard_degree": 2})  # smp's key: smp's 1 MiB floor
+    assert [k for k, _ in _session.config_differences(floor, ParallelDims.from_config(floor, 4))] == [
+        "activation_offload_min_bytes"]
     _session._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            tsm.init({"sm_activation_offloading": True})
+            tsm.init({})
             smp.shutdown()
     messages = [str(w.message) for w in caught if w.category is tsm.SMPv2DifferenceWarning]
-    assert len(messages) == 1 and "remove the script's offload_wrapper" in messages[0]
+    assert len(messages) == 1 and "sm_activation_offloading is not set" in messages[0]
 
 
-# --- context parallel on the script's own batch cut -------------------------------------------
+def test_smp_v2_offloading_key_offloads_every_activation():
+    """A config in SMP v2's terms offloads as SMP v2 does (every saved activation); smp's own key
+    keeps smp's size floor; an explicit floor wins."""
+    assert load_config({"sm_activation_offloading": True}).activation_offload_min_bytes == 0
+    assert load_config({"activation_offloading": True}).activation_offload_min_bytes == 1 << 20
+    assert load_config({"sm_activation_offloading": True, "activation_offload_min_bytes": 7}).activation_offload_min_bytes == 7
 
-CP2 = {"context_parallel_degree": 2, "sm_activation_offloading": False}
+
+# --- SMP v2 names a script imports ------------------------------------------------------------
+
+@pytest.mark.parametrize("module, section", [
+    ("smp.sagemaker.pipeline", "#names"),
+    ("smp.sagemaker.distributed.checkpoint.megatron_utils", "#checkpoints"),
+    ("smp.sagemaker.nn.huggingface.gpt_neox_flashattn.deeper", "#flash-attention"),
+    ("smp.sagemaker.tensor_parallel.embedding", "#transform"),
+])
+def test_missing_modules_point_at_the_guide(module, section):
+    import importlib
+
+    with pytest.raises(NotSupportedBySmp, match=f"migrating-from-smp-v2.md{section}"):
+        importlib.import_module(module)
 
 
-def test_cp_on_inputs_cut_the_smp_v2_way_trains_like_one_process(ranks):
-    """SMP v2 scripts cut each sequence for their cp rank themselves; smp computes positions and
-    the label shift as if the sequence were whole: per-step losses equal one process (1e-5)."""
-    reference = cases.cp_reference_losses()
-    results = ranks(2).run(cases.cp_precut_losses, config=CP2)
+def test_names_an_smp_v2_script_imports():
+    from smp.sagemaker.checkpoint.utils import SORT_BY_LAST_INT, limit_num_subdirs  # noqa: F401
+    from smp.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue
+    from smp.sagemaker.distributed.checkpoint.state_dict_saver import PyTorchDistSaveShardedStrategy
+    from smp.sagemaker.moe.moe_layer import MoELayer
+    from smp.sagemaker.tensor_parallel.transformer import TETransformerLayer, TransformerLayer
+
+    assert AsyncCallsQueue().get_num_unfinalized_calls() == 0
+    PyTorchDistSaveShardedStrategy("torch_dist", 1)
+    for cls in (TransformerLayer, TETransformerLayer, MoELayer):
+        with pytest.raises(NotSupportedBySmp):
+            cls()
+
+
+def test_torch_sagemaker_alias_is_opt_in():
+    import subprocess
+    import sys
+
+    code = ("import smp.sagemaker.as_torch_sagemaker, smp.sagemaker, torch.sagemaker as tsm; "
+            "from torch.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue; "
+            "from torch.sagemaker import state; print(tsm is smp.sagemaker, state is smp.sagemaker.state)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
+    plain = subprocess.run([sys.executable, "-c", "import smp.sagemaker, torch.sagemaker"], capture_output=True, text=True)
+    assert plain.returncode != 0 and "ModuleNotFoundError" in plain.stderr
+
+
+def test_limit_num_subdirs_keeps_the_newest(tmp_path):
+    from smp.sagemaker.checkpoint.utils import SORT_BY_LAST_INT, limit_num_subdirs
+
+    for step in (2, 10, 4, 8):
+        (tmp_path / f"llama_v3-{step}steps" / "tp2-0").mkdir(parents=True)
+    (tmp_path / "notes").mkdir()
+    regex = r"^.*\d+steps$"
+    # from a per-rank folder inside the newest checkpoint, as SMP v2 scripts call it; log=False: no-op
+    inner = tmp_path / "llama_v3-10steps" / "tp2-0"
+    assert limit_num_subdirs(inner, 2, sort_fn=SORT_BY_LAST_INT, regex=regex, log=False) == []
+    limit_num_subdirs(inner, 2, sort_fn=SORT_BY_LAST_INT, regex=regex, log=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama_v3-10steps", "llama_v3-8steps", "notes"]
+
+
+def test_fsdp1_patch_lives_with_the_session(clean_env):
+    import subprocess
+    import sys
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch_methods = {n: FSDP.__dict__[n] for n in ("__init__", "state_dict_type", "optim_state_dict")}
+    tsm.init({"sm_activation_offloading": False})
+    try:
+        assert all(FSDP.__dict__[n] is not m for n, m in torch_methods.items())
+    finally:
+        smp.shutdown()
+    assert all(FSDP.__dict__[n] is m for n, m in torch_methods.items())
+    code = ("import smp, smp.sagemaker; from torch.distributed.fsdp import FullyShardedDataParallel as F; "
+            "print(F.__init__.__module__, F.__dict__['optim_state_dict'].__func__.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["torch.distributed.fsdp.fully_sharded_data_parallel"] * 2
+
+
+def test_ranks_with_different_save_paths_are_refused_on_every_rank(ranks, tmp_path):
+    results = ranks(2).run(cases.save_paths, root=str(tmp_path))
     for r in results:
-        assert "error" not in r, r
-        assert max(abs(a - b) for a, b in zip(r["losses"], reference)) <= TOL, (r["losses"], reference)
-
-
-def test_cp_comparison_catches_local_positions(ranks):
-    """Negative control: with smp's position / label-shift completion switched off (local rotary
-    positions, labels shifted inside each chunk) the losses move past the tolerance."""
-    reference = cases.cp_reference_losses()
-    r = ranks(2).run(cases.cp_precut_losses, config=CP2, position_handling=False)[0]
-    assert max(abs(a - b) for a, b in zip(r["losses"], reference)) > 100 * TOL, (r, reference)
-
-
-def test_cp_refuses_inputs_whose_layout_smp_cannot_know(ranks):
-    """Through smp's own transform the layout of cut inputs is unknown: refused on every rank,
-    naming shard_batch."""
-    for r in ranks(2).run(cases.cp_precut_losses, config=CP2, via_sagemaker=False):
-        assert "position_ids / shift_labels" in r.get("error", ""), r
-        assert "smp.context_parallel.shard_batch" in r["error"]
+        assert "different checkpoint paths" in r["world"] and "tp2-0" in r["world"] and "tp2-1" in r["world"], r
+        assert r["per_group"] == "saved"  # each rank's folder with its own group: the SMP v2 way
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp2-0", "tp2-1"]
+    assert all((tmp_path / f"tp2-{i}" / ".metadata").exists() for i in (0, 1))

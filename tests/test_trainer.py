@@ -227,3 +227,22 @@ def test_shadowed_save_checkpoint_steps(caplog):
         smp_trainer_class(trl.SFTTrainer)
     assert not caplog.text
     assert trl.SFTTrainer in _shadowed_save_steps(trl.SFTTrainer)[0]
+
+
+SEED_CASES = [({}, 1, "fsdp-2"), ({}, 2, "fsdp-2-accum-2"), ({"tensor_parallel_degree": 2}, 1, "tp-2")]
+
+
+@pytest.mark.parametrize("config,grad_accum,name", SEED_CASES, ids=[c[2] for c in SEED_CASES])
+def test_trainer_seed_decides_the_data_order(ranks, reference, tmp_path, config, grad_accum, name):
+    """SMPTrainer opening the smp session itself (smp.init seeds with random_seed) keeps the
+    Trainer's seed for the default random sampler: the plain single-process Trainer's losses."""
+    results = ranks(2).run(trainer_cases.train_smp_opens_session, config=config, output_dir=str(tmp_path),
+                           grad_accum=grad_accum)
+    assert_same_losses(results, reference(grad_accum)["losses"])
+
+
+def test_trainer_seed_comparison_catches_another_seed(ranks, reference, tmp_path):
+    """Negative control: another Trainer seed (another data order) moves the losses."""
+    results = ranks(2).run(trainer_cases.train_smp_opens_session, config={}, output_dir=str(tmp_path), seed=1)
+    expected = reference(1)["losses"]
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], expected)) > 100 * LOSS_TOL

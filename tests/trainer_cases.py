@@ -237,3 +237,18 @@ def sft_train(config: dict, output_dir: str) -> dict:
             "model_card": os.path.isfile(os.path.join(output_dir, "README.md")),
             "checkpoint_committed": smp.checkpointing.latest(output_dir) is not None,
         }
+
+
+def train_smp_opens_session(config: dict, output_dir: str, grad_accum: int = 1, seed: int = 0) -> dict:
+    """SMPTrainer that calls smp.init itself (no session before it), as a script that only swaps
+    Trainer for SMPTrainer does: the Trainer's `seed` must decide the data order."""
+    from smp.integrations import SMPTrainer
+
+    try:
+        dp = dist.get_world_size() // config.get("tensor_parallel_degree", 1)
+        trainer = SMPTrainer(model=build_model(), args=training_args(output_dir, dp, grad_accum, seed=seed),
+                             train_dataset=TokenRows(), smp_config=config)
+        trainer.train()
+        return {"losses": losses_of(trainer)}
+    finally:
+        smp.shutdown()

@@ -37,7 +37,7 @@ def apply_activation_offloading(model: nn.Module, blocks: list[nn.Module], *, ho
     """
     if not blocks:
         raise ConfigError(
-            f"sm_activation_offloading found no blocks in {type(model).__name__} to offload; "
+            f"activation_offloading found no blocks in {type(model).__name__} to offload; "
             "name the block class in shard_modules"
         )
     offloader = ActivationOffloader(blocks, horizon=horizon, min_bytes=min_bytes)

@@ -45,6 +45,7 @@ from smp.integrations.mapping import map_training_arguments
 from smp.integrations.peft import is_peft_model, save_adapter
 from smp.integrations.saving import export_hf_folder
 from smp.reliability.exit import end_run_at_exit
+from smp.seeding import trainer_seed_wins
 from smp.transform import apply_parallelism, is_transformed
 
 log = logging.getLogger(__name__)
@@ -111,12 +112,15 @@ class SMPTrainerMixin:
         self.args, self._smp_model_config, mapped = map_training_arguments(self.args, self._smp_model_config)
         _report_mapped(mapped)
         check_training_arguments(self.args, self._smp_config, is_peft=is_peft_model(self.model), has_model_init=False)
+        opened_here = not smp.is_initialized()
         smp.init(self._smp_config)  # a no-op when smp.init already ran with this config
         # accelerate made the process group (TrainingArguments did), so smp.shutdown would leave
         # it and its gloo threads to interpreter finalization, which can abort a finished run.
         end_run_at_exit(smp.state.mesh, smp.state.dp_mesh)
         if self.model is not None:
             self.model = self._smp_transform(self.model)
+        if opened_here:  # smp.init reseeded the process after the Trainer seeded it
+            trainer_seed_wins(smp.state.config, self.args.seed, self.args.full_determinism, smp.state.rank)
         super().create_accelerator_and_postprocess()
         accelerator = self.accelerator
         # Instance attributes: Accelerator.prepare() and the Trainer's accumulation loop call

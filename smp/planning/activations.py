@@ -125,7 +125,7 @@ def activation_bytes(config: SMPConfig, outside: int, per_block: list[int], bloc
     if ac.mode == "selective":
         notes.append("selective checkpointing: activations shown without it (an upper bound)")
     host = 0
-    if config.sm_activation_offloading:
+    if config.activation_offloading:
         # Saved tensors of the blocks go to host; `activation_loading_horizon` blocks come back
         # ahead of backward.
         horizon = config.activation_loading_horizon

@@ -8,15 +8,21 @@ not implement raises NotSupportedBySmp (a NotImplementedError) naming the sectio
 docs/migrating-from-smp-v2.md that says what to use instead.
 """
 
-from smp.runtime import is_initialized, state
-from smp.sagemaker import delayed_param, distributed, grad_norm, logger, moe, nn, utils
+from smp.runtime import is_initialized
+from smp.sagemaker._imports import install_missing_module_errors
+
+install_missing_module_errors()  # before the submodules: `smp.sagemaker.X` SMP v2 had, smp not
+
+from smp.sagemaker import checkpoint, delayed_param, distributed, grad_norm, logger, moe, nn, tensor_parallel, utils  # noqa: E402
 from smp.sagemaker._guide import MigrationError, NotSupportedBySmp, unsupported_module_getattr
 from smp.sagemaker._session import SMPv2DifferenceWarning, init
+from smp.sagemaker._state_view import state  # smp's state with SMP v2's names
 from smp.sagemaker._transform import transform
 
 __all__ = [
-    "MigrationError", "NotSupportedBySmp", "SMPv2DifferenceWarning", "delayed_param", "distributed",
-    "grad_norm", "init", "is_initialized", "logger", "moe", "nn", "state", "transform", "utils",
+    "MigrationError", "NotSupportedBySmp", "SMPv2DifferenceWarning", "checkpoint", "delayed_param",
+    "distributed", "grad_norm", "init", "is_initialized", "logger", "moe", "nn", "state",
+    "tensor_parallel", "transform", "utils",
 ]
 
 

@@ -5,18 +5,15 @@ wrap that smp's transform makes redundant)."""
 
 from __future__ import annotations
 
-import functools
 import warnings
-from typing import Any
-
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 import smp
 from smp.config import ConfigSource, SMPConfig
 from smp.errors import SMPWarning
 from smp.mesh import ParallelDims
-from smp.sagemaker._guide import MigrationError, section
+from smp.runtime import register_shutdown_hook
+from smp.sagemaker._guide import section
+from smp.sagemaker.fsdp1 import Fsdp1Patch
 
 
 class SMPv2DifferenceWarning(SMPWarning):
@@ -34,7 +31,26 @@ def init(config: ConfigSource = None) -> None:
         if key not in _warned:
             _warned.add(key)
             warnings.warn(message, SMPv2DifferenceWarning, stacklevel=2)
-    install_fsdp1_guard()
+    _open_session()
+
+
+# What smp.sagemaker.init adds to the session, undone at its shutdown.
+_PATCH: Fsdp1Patch | None = None
+
+
+def _open_session() -> None:
+    global _PATCH
+    if _PATCH is None:
+        _PATCH = Fsdp1Patch()
+    register_shutdown_hook(_close_session)
+
+
+def _close_session() -> None:
+    """Shutdown hook: FSDP1 gets torch's own methods back."""
+    global _PATCH
+    if _PATCH is not None:
+        _PATCH.remove()
+        _PATCH = None
 
 
 def config_differences(cfg: SMPConfig, dims: ParallelDims) -> list[tuple[str, str]]:
@@ -48,17 +64,17 @@ def config_differences(cfg: SMPConfig, dims: ParallelDims) -> list[tuple[str, st
             f"(HYBRID_SHARD meant groups of 8). To shard inside groups of k, set "
             f"hybrid_shard_degree: k ({anchor})"
         )))
-    if "sm_activation_offloading" not in cfg.model_fields_set:
+    if "activation_offloading" not in cfg.model_fields_set:
         found.append(("sm_activation_offloading", (
             "sm_activation_offloading is not set: SMP v2 defaults it to true, smp to false, so "
             "`if tsm.state.sm_activation_offloading: offload_wrapper(...)` no longer runs. Set it "
             f"explicitly; when true smp.transform offloads every block itself ({anchor})"
         )))
-    elif cfg.sm_activation_offloading:
-        found.append(("sm_activation_offloading", (
-            "sm_activation_offloading: true makes smp.transform offload every block's saved "
-            "activations itself; remove the script's offload_wrapper(model), which would offload "
-            f"a second time ({anchor})"
+    elif cfg.activation_offloading and cfg.activation_offload_min_bytes > 0:
+        found.append(("activation_offload_min_bytes", (
+            f"activation_offload_min_bytes: {cfg.activation_offload_min_bytes} keeps saved "
+            f"activations under that size on the device; SMP v2 offloaded every one. Leave the key "
+            f"out (a config that says sm_activation_offloading then offloads all) or set 0 ({anchor})"
         )))
     if "allow_empty_shards" in cfg.model_fields_set and not cfg.allow_empty_shards:
         found.append(("allow_empty_shards", (
@@ -66,34 +82,3 @@ def config_differences(cfg: SMPConfig, dims: ParallelDims) -> list[tuple[str, st
             f"allows empty ones on every run; remove the key ({anchor})"
         )))
     return found
-
-
-def _fsdp1_wrap_message(module_name: str) -> str:
-    return (
-        f"FullyShardedDataParallel({module_name}, ...) wraps a model that smp.sagemaker.transform "
-        "already sharded (FSDP2, torch.distributed.fsdp.fully_shard). SMP v2 scripts wrap the "
-        "transformed model in FSDP1 themselves; with smp delete that call and keep using the model "
-        "transform returned: sharding_strategy is hybrid_shard_degree, mixed_precision and "
-        "auto_wrap_policy are the config's mixed_precision and shard_modules, param_init_fn is "
-        "done (transform materialises meta models), sync_module_states is "
-        f"transform(..., load_state_dict_from_rank0=True) (see {section('fsdp-wrapping')})"
-    )
-
-
-def install_fsdp1_guard() -> None:
-    """Make FSDP1's constructor refuse a module that smp already sharded, before FSDP1 fails on
-    it deep inside (or, on GPUs, wraps it a second time). Other FSDP1 uses are untouched."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    original = FullyShardedDataParallel.__init__
-    if getattr(original, "_smp_fsdp1_guard", False):
-        return
-
-    @functools.wraps(original)
-    def guarded_init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
-        if isinstance(module, nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules()):
-            raise MigrationError(_fsdp1_wrap_message(type(module).__name__))
-        original(self, module, *args, **kwargs)
-
-    guarded_init._smp_fsdp1_guard = True  # type: ignore[attr-defined]
-    FullyShardedDataParallel.__init__ = guarded_init

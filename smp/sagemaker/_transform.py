@@ -17,6 +17,7 @@ import smp
 from smp.config import ConfigError
 from smp.context_parallel.hf import accept_precut_inputs
 from smp.sagemaker._guide import MigrationError, not_supported, section
+from smp.sagemaker.fsdp1 import adopt
 from smp.sharding import has_meta_tensors
 from smp.transform import transform as smp_transform
 
@@ -63,7 +64,15 @@ def transform(
     # SMP v2 scripts cut each sequence for their cp rank themselves (2 x cp chunks, rank i keeps
     # chunks i and 2cp-1-i): smp completes positions and label shift from that layout.
     accept_precut_inputs(model)
+    # What FSDP1 kept on the wrapped model (state_dict_type, optim_state_dict, process_group).
+    adopt(model, _shard_group(st))
     return model
+
+
+def _shard_group(st: Any) -> dist.ProcessGroup:
+    """FSDP1's `process_group`: the ranks that shard the parameters together (one replica, one
+    tensor-parallel rank); with context parallel FSDP shards over dp_shard x cp."""
+    return st.mesh["dp_shard_cp" if st.cp_size > 1 else "dp_shard"].get_group()
 
 
 def _check_transform_config(config: Any, smp_config: Any) -> None:

@@ -1,4 +1,4 @@
-"""`smp.state.ranker`: SMP v2's rank arithmetic, computed from smp's device mesh.
+"""`tsm.state.ranker`: SMP v2's rank arithmetic, computed from smp's device mesh.
 
 SMP's words on smp's mesh axes: a replica is one copy of the model (the "dp_replicate" axis
 of HSDP); a rank's replication rank is which replica it is in; a replication group is the

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import LoadPlanner, StorageReader
 
+from smp.checkpointing.same_path import agree_on_path
 from smp.sagemaker.distributed.checkpoint._options import check_smp_options
 from smp.sagemaker.distributed.checkpoint.state_dict_saver import maybe_finalize_async_calls
 
@@ -31,5 +32,8 @@ def load(
     check_smp_options("load", checkpoint_id, process_group, coordinator_rank, s3_region,
                       s3client_config, storage_reader is not None)
     maybe_finalize_async_calls(blocking=True, process_group=process_group)  # never read a half-written save
+    path = checkpoint_id if checkpoint_id is not None else getattr(storage_reader, "path", None)
+    if path is not None:  # the ranks of the load read one checkpoint, as they wrote it
+        agree_on_path(path, "state_dict_loader.load", process_group)
     dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=planner,
              process_group=process_group, no_dist=not dist.is_initialized())

@@ -1,0 +1,192 @@
+"""FSDP1's calls that SMP v2 scripts make on the model, answered for a model that
+`smp.sagemaker.transform` sharded (FSDP2), as SMP v2 answered them:
+
+- `FSDP.state_dict_type(model, FULL_STATE_DICT, FullStateDictConfig(rank0_only=True, ...))`:
+  inside it `model.state_dict()` is the full (unsharded) state dict, on rank 0 only with
+  rank0_only, which `torch.save` + `from_pretrained` load; with SHARDED_STATE_DICT it is the
+  DTensor-sharded one (FSDP2's own); LOCAL_STATE_DICT is refused.
+- `FSDP.optim_state_dict(model, optimizer)`: the optimizer state dict of that kind;
+  `FSDP.optim_state_dict_to_load(model, optimizer, osd)` loads it into the optimizer and returns
+  the optimizer's state dict (so the script's `optimizer.load_state_dict(...)` changes nothing).
+- `FullyShardedDataParallel(model, ...)` of such a model raises MigrationError (delete the wrap).
+- `offload_wrapper(model)` returns the model: smp's transform already offloads its activations
+  (SMP v2 too answered this call with its own offloading).
+- `model.process_group` (the ranks that shard this model's parameters together: one replica,
+  one tensor- and expert-parallel rank) and `model.rank` (this rank in it) are set by transform.
+
+Any other module goes to FSDP1 (and torch's offload_wrapper) unchanged. The patch of FSDP1's class is installed by
+`smp.sagemaker.init` and removed when that session shuts down: a script that never imports
+smp.sagemaker, or runs after the session, sees FSDP1 as torch ships it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, StateDictType
+
+from smp._compat import checkpoint_wrapper_module
+from smp.sagemaker._guide import MigrationError, not_supported, section
+
+_VIEW = "_smp_fsdp1_view"  # the attribute transform sets on the models this module answers for
+
+
+@dataclass
+class Fsdp1View:
+    """What FSDP1 kept on a wrapped model, for a model smp sharded."""
+
+    process_group: dist.ProcessGroup | None
+    full: bool = False  # inside state_dict_type(FULL_STATE_DICT)
+    rank0_only: bool = False
+    offload_to_cpu: bool = False
+    depth: list = field(default_factory=list)  # enclosing state_dict_type settings
+
+
+def adopt(model: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+    """Mark `model` (sharded by smp.sagemaker.transform) as answered here; set FSDP1's
+    `process_group` and `rank` attributes."""
+    setattr(model, _VIEW, Fsdp1View(process_group=process_group))
+    model.process_group = process_group
+    model.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+
+
+def _view(module: Any) -> Fsdp1View | None:
+    return getattr(module, _VIEW, None) if isinstance(module, nn.Module) else None
+
+
+# --- the replacements (each falls through to FSDP1 for a module smp did not shard) -------------
+
+def _state_dict_type(original: Any, module: nn.Module, state_dict_type: StateDictType,
+                     state_dict_config: Any = None, optim_state_dict_config: Any = None) -> Iterator[Any]:
+    view = _view(module)
+    if view is None:
+        with original(module, state_dict_type, state_dict_config, optim_state_dict_config) as settings:
+            yield settings
+        return
+    if state_dict_type == StateDictType.LOCAL_STATE_DICT:
+        not_supported(
+            "FSDP.state_dict_type(model, LOCAL_STATE_DICT)", "checkpoints",
+            "FSDP2 has one local form, the sharded (DTensor) state dict: use SHARDED_STATE_DICT",
+        )
+    full = state_dict_type == StateDictType.FULL_STATE_DICT
+    view.depth.append((view.full, view.rank0_only, view.offload_to_cpu))
+    view.full = full
+    view.rank0_only = bool(getattr(state_dict_config, "rank0_only", False)) and full
+    view.offload_to_cpu = bool(getattr(state_dict_config, "offload_to_cpu", False)) and full
+    if full:
+        module.state_dict = functools.partial(_full_state_dict, module, view)  # this instance only
+    try:
+        yield None
+    finally:
+        view.full, view.rank0_only, view.offload_to_cpu = view.depth.pop()
+        if not view.full and "state_dict" in module.__dict__:
+            del module.__dict__["state_dict"]
+
+
+def _full_state_dict(model: nn.Module, view: Fsdp1View, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """FSDP1's full state dict: every tensor whole (collective: call it on every rank)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=view.offload_to_cpu)
+    mine = model.__dict__.pop("state_dict")  # DCP's helper calls model.state_dict(): the class's
+    try:
+        state = get_model_state_dict(model, options=options)
+    finally:
+        model.__dict__["state_dict"] = mine
+    if view.rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return state
+
+
+def _options(view: Fsdp1View) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=view.full, cpu_offload=view.offload_to_cpu)
+
+
+def _optim_state_dict(original: Any, model: nn.Module, optim: Any, optim_state_dict: Any = None,
+                      group: Any = None) -> dict[str, Any]:
+    view = _view(model)
+    if view is None:
+        return original(model, optim, optim_state_dict, group)
+    state = get_optimizer_state_dict(model, optim, options=_options(view))
+    if view.rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return state
+
+
+def _optim_state_dict_to_load(original: Any, model: nn.Module, optim: Any, optim_state_dict: dict,
+                              is_named_optimizer: bool = False, load_directly: bool = False,
+                              group: Any = None) -> dict[str, Any]:
+    view = _view(model)
+    if view is None:
+        return original(model, optim, optim_state_dict, is_named_optimizer, load_directly, group)
+    set_optimizer_state_dict(model, optim, optim_state_dict, options=_options(view))
+    return optim.state_dict()
+
+
+def _offload_wrapper(original: Any, module: nn.Module) -> nn.Module:
+    """SMP v2 answered the script's `offload_wrapper(model)` with its own offloading; smp's
+    transform already offloads (the config's activation_offloading): the model comes back as is."""
+    if _view(module) is None:
+        return original(module)
+    import smp
+
+    if not smp.state.config.activation_offloading:
+        raise MigrationError(
+            "offload_wrapper(model) on a model smp.sagemaker.transform sharded: smp offloads "
+            "activations itself when the config says sm_activation_offloading: true; set it there "
+            f"and drop the call (see {section('fsdp-wrapping')})"
+        )
+    return module
+
+
+def _fsdp1_wrap_message(module_name: str) -> str:
+    return (
+        f"FullyShardedDataParallel({module_name}, ...) wraps a model that smp.sagemaker.transform "
+        "already sharded (FSDP2, torch.distributed.fsdp.fully_shard). SMP v2 scripts wrap the "
+        "transformed model in FSDP1 themselves; with smp delete that call and keep using the model "
+        "transform returned: sharding_strategy is hybrid_shard_degree, mixed_precision and "
+        "auto_wrap_policy are the config's mixed_precision and shard_modules, param_init_fn is "
+        "done (transform materialises meta models), sync_module_states is "
+        f"transform(..., load_state_dict_from_rank0=True) (see {section('fsdp-wrapping')})"
+    )
+
+
+def _guarded_init(original: Any, self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    if isinstance(module, nn.Module) and (_view(module) is not None
+                                          or any(isinstance(m, FSDPModule) for m in module.modules())):
+        raise MigrationError(_fsdp1_wrap_message(type(module).__name__))
+    original(self, module, *args, **kwargs)
+
+
+class Fsdp1Patch:
+    """FSDP1's class with the replacements above; `remove` puts torch's back."""
+
+    def __init__(self) -> None:
+        cls = FullyShardedDataParallel
+        self._saved = {name: cls.__dict__[name] for name in
+                       ("__init__", "state_dict_type", "optim_state_dict", "optim_state_dict_to_load")}
+        init, sdt, osd, to_load = (self._saved[n] for n in self._saved)
+
+        @functools.wraps(init)
+        def guarded_init(fsdp: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            _guarded_init(init, fsdp, module, *args, **kwargs)
+
+        cls.__init__ = guarded_init
+        cls.state_dict_type = staticmethod(contextlib.contextmanager(functools.partial(_state_dict_type, sdt.__func__)))
+        cls.optim_state_dict = staticmethod(functools.partial(_optim_state_dict, osd.__func__))
+        cls.optim_state_dict_to_load = staticmethod(functools.partial(_optim_state_dict_to_load, to_load.__func__))
+
+        wrappers = checkpoint_wrapper_module()
+        self._offload = wrappers.offload_wrapper
+        wrappers.offload_wrapper = functools.partial(_offload_wrapper, self._offload)
+
+    def remove(self) -> None:
+        for name, value in self._saved.items():
+            setattr(FullyShardedDataParallel, name, value)
+        checkpoint_wrapper_module().offload_wrapper = self._offload
