@@ -32,6 +32,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 import smp
 from smp import _compat
 
@@ -219,3 +221,19 @@ def test_the_compat_layer_knows_the_names_the_issue_listed():
             "_pg_registry", "_set_pg_timeout", "_fsdp_param_group", "_forward_hooks", "_dataloaders",
             "_StridedShard"} <= foreign
     assert {"_move_model_to_device", "_track_num_input_tokens"} <= CHECKED_OVERRIDES
+
+
+def test_a_feature_the_installed_torch_lacks_is_refused_naming_both_versions(monkeypatch):
+    """Sequence parallel on torch 2.9 (no DTensor rule for aten.alias): refused when used, with
+    the key, the version it needs and the installed one; `import smp` itself is unaffected."""
+    from smp.errors import UnsupportedVersionError
+
+    monkeypatch.setattr(_compat, "torch_version", lambda: (2, 9))
+    with pytest.raises(UnsupportedVersionError) as caught:
+        _compat.check_sequence_parallel()
+    message = str(caught.value)
+    assert "tensor_parallel.sequence_parallel" in message and ">= 2.11" in message
+    assert f"installed: torch {_compat.installed('torch')}" in message
+    assert isinstance(caught.value, smp.Error)
+    monkeypatch.setattr(_compat, "torch_version", lambda: (2, 11))
+    _compat.check_sequence_parallel()  # supported there: no error
