@@ -248,3 +248,16 @@ def save_paths(*, root: str) -> dict:
         return out
     finally:
         smp.shutdown()
+
+
+def core_save_paths(*, root: str) -> str:
+    """smp.checkpointing.save with a different path on each rank: refused on every rank."""
+    from smp.testing.models import tiny_llama
+
+    with smp.session({}):
+        model = smp.transform(tiny_llama())
+        try:
+            smp.checkpointing.save(os.path.join(root, f"rank{dist.get_rank()}"), model)
+        except smp.Error as e:
+            return str(e)
+        return "saved"

@@ -317,3 +317,9 @@ def test_ranks_with_different_save_paths_are_refused_on_every_rank(ranks, tmp_pa
         assert r["per_group"] == "saved"  # each rank's folder with its own group: the SMP v2 way
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp2-0", "tp2-1"]
     assert all((tmp_path / f"tp2-{i}" / ".metadata").exists() for i in (0, 1))
+
+
+def test_core_save_refuses_different_paths_on_every_rank(ranks, tmp_path):
+    for message in ranks(2).run(cases.core_save_paths, root=str(tmp_path)):
+        assert "different checkpoint paths" in message and "rank0" in message and "rank1" in message, message
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from smp.checkpointing import atomic, digest, inline_digest, metadata, rng, safe_read, save_errors, verify
 from smp.checkpointing.async_save import saves, wait
 from smp.checkpointing.collective import agree, is_dist, on_rank0, rank, world
+from smp.checkpointing.same_path import agree_on_path
 from smp.checkpointing.save_errors import disk_full_or, is_disk_full, save_error
 from smp.errors import CheckpointError
 from smp.mesh import ParallelDims
@@ -178,6 +179,7 @@ def save(
         raise CheckpointError(f"keep_last={keep_last}: keep at least 1 checkpoint, or pass None to keep all")
     wait()
     path = os.path.abspath(os.fspath(path))
+    agree_on_path(path, "smp.checkpointing.save")  # before anything is written
     # DCP fills an optimizer that has not stepped yet with a zero-lr step (Adam's step count
     # becomes 1). We undo that on the live optimizer and on load, so saving never changes the run.
     fresh_optimizer = optimizer is not None and not optimizer.state
@@ -284,6 +286,7 @@ def load(
             "holds no complete checkpoint)"
         )
     path = os.path.abspath(os.fspath(path))
+    agree_on_path(path, "smp.checkpointing.load")
     meta = verify.check_directory(path)
     # Every check before the optimizer is touched (DCP initialises an empty one with a step).
     shapes = metadata.tensor_shapes(get_model_state_dict(model))
