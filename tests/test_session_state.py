@@ -38,8 +38,13 @@ _IMPORT_EVERYTHING = textwrap.dedent("""
     _register = atexit.register
     atexit.register = lambda fn, *a, **k: (registered.append(getattr(fn, "__module__", None) or ""), _register(fn, *a, **k))[1]
     attention = set(AttentionInterface._global_mapping)
+    meta_path = list(sys.meta_path)
     {extra}
     import smp
+    import_smp = {  # `import smp` alone: no import hook, no alias of torch.sagemaker
+        "meta_path_added": [type(f).__name__ for f in sys.meta_path if f not in meta_path],
+        "torch_sagemaker": "torch.sagemaker" in sys.modules,
+    }
     failed = {}
     for info in pkgutil.walk_packages(smp.__path__, "smp."):
         if info.name.endswith("__main__"):  # `python -m smp`: runs the CLI
@@ -59,6 +64,7 @@ _IMPORT_EVERYTHING = textwrap.dedent("""
         "fsdp1_patched": fsdp.FullyShardedDataParallel.__init__ is not fsdp1_init,
         "attention_added": sorted(set(AttentionInterface._global_mapping) - attention),
         "import_failed": failed,
+        "import_smp": import_smp,
     }))
 """)
 
@@ -75,19 +81,22 @@ def test_import_registers_nothing_and_patches_nothing():
     assert report == {
         "hooks": [], "process_objects": [], "sessions": 0, "atexit_added": [], "threads_added": 0,
         "patched": [], "fsdp1_patched": False, "attention_added": [], "import_failed": report["import_failed"],
+        "import_smp": {"meta_path_added": [], "torch_sagemaker": False},
     }, report
     # Every module imported (an optional dependency missing here would be named).
     assert not report["import_failed"], report["import_failed"]
 
 
 def test_import_check_catches_a_patch_and_a_hook():
-    """Negative control: an import that patches transformers' MoE loss and registers an atexit
-    handler (what smp's import used to do) is reported."""
+    """Negative control: an import that patches transformers' MoE loss, registers an atexit
+    handler (what smp's import used to do) and adds an import hook is reported."""
     report = _import_report(extra=(
-        "modeling[0].load_balancing_loss_func = lambda *a, **k: 0; atexit.register(lambda: None)"
+        "modeling[0].load_balancing_loss_func = lambda *a, **k: 0; atexit.register(lambda: None); "
+        "sys.meta_path.append(type('Finder', (), {'find_spec': lambda *a: None})())"
     ))
     assert report["patched"] == ["transformers.models.mixtral.modeling_mixtral"], report
     assert report["atexit_added"] == ["__main__"], report
+    assert report["import_smp"]["meta_path_added"] == ["Finder"], report
 
 
 def test_sessions_own_their_objects():
