@@ -76,10 +76,10 @@ def model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 
 
-def own_plan(model: nn.Module, config_attr: str, composed_attr: str | None = None) -> dict:
-    """The model's own transformers plan: `model.<composed_attr>` where transformers composes it
-    for the whole model (`_tp_plan`), else `model.config.<config_attr>` under the base prefix."""
-    composed = getattr(model, composed_attr, None) if composed_attr else None
+def own_plan(model: nn.Module, config_attr: str, composed: Mapping | None = None) -> dict:
+    """The model's own transformers plan: `composed` where transformers composes it for the
+    whole model (its `_tp_plan`: `smp._compat.model_tp_plan`), else `model.config.<config_attr>`
+    under the base prefix."""
     if composed:
         return dict(composed)
     return under_base(model, getattr(getattr(model, "config", None), config_attr, None) or {})
@@ -88,6 +88,21 @@ def own_plan(model: nn.Module, config_attr: str, composed_attr: str | None = Non
 def table_plan(model: nn.Module, tables: Mapping[str, Mapping[str, V]]) -> dict[str, V]:
     """smp's table for the model's `model_type` under its base prefix; {} when there is none."""
     return under_base(model, tables.get(model_type(model), {}))  # type: ignore[arg-type]
+
+
+def nested_tables(model: nn.Module, tables: Mapping[str, Mapping[str, V]]) -> dict[str, dict[str, V]]:
+    """smp's tables for the sub-models inside `model`: each submodule with a config of its own
+    whose `model_type` has a table (LLaVA's CLIP vision tower), by its module name, with the
+    table's patterns under that name. The outermost such submodule wins; `model` itself is not
+    one."""
+    out: dict[str, dict[str, V]] = {}
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(t + ".") for t in out):
+            continue
+        entries = tables.get(model_type(module))  # type: ignore[arg-type]
+        if entries and getattr(module, "config", None) is not getattr(model, "config", None):
+            out[name] = {f"{name}.{k}": v for k, v in under_base(module, entries).items()}
+    return out
 
 
 def first_plan(candidates: Iterable[Plan[V]]) -> Plan[V] | None:

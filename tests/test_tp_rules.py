@@ -148,23 +148,37 @@ def test_rules_do_not_fire_on_a_plain_decoder():
 
 
 def test_sequence_parallel_stays_in_the_language_model(monkeypatch):
-    """LLaVA under sequence parallel: nothing outside the language model is styled and its
-    embedding's output stays whole. Negative control: with the whole model as the scope (as
-    before), the vision tower's norms and patch conv join the stream (its crash: `got mixed
-    torch.Tensor and DTensor` in the convolution)."""
+    """LLaVA under sequence parallel: its vision tower (split by smp's CLIP table) runs as without
+    sequence parallel, the projector is left alone and the embedding's output stays whole.
+    Negative control: with the whole model as the scope (as before), the vision tower's norms
+    and patch conv join the stream (its crash: `got mixed torch.Tensor and DTensor` in the
+    convolution)."""
     def expand() -> dict[str, Assignment]:
         model = tp_vlm_cases.build("llava")
         return {a.name: a for a in rules.expand_plan(model, resolve_plan(model, None, None), SP).assignments}
 
-    def outside(assigned: dict[str, Assignment]) -> list[str]:
-        return [n for n in assigned if n.startswith(("model.vision_tower", "model.multi_modal_projector"))]
+    def on_the_stream(assigned: dict[str, Assignment]) -> list[str]:
+        return [n for n, a in assigned.items() if n.startswith(("model.vision_tower", "model.multi_modal_projector"))
+                and (a.sequence_parallel or a.style not in ("colwise", "rowwise", "region_entry"))]
 
     assigned = expand()
-    assert outside(assigned) == [] and not assigned["model.language_model.embed_tokens"].sequence_parallel
+    assert "model.vision_tower.encoder.layers.0.mlp.fc1" in assigned
+    assert on_the_stream(assigned) == [] and not assigned["model.language_model.embed_tokens"].sequence_parallel
     monkeypatch.setattr(tp_plan, "_language_model", lambda model, embedding: ("", None))
     assigned = expand()
-    assert "model.vision_tower.encoder.layers.0.layer_norm1" in outside(assigned)
+    assert "model.vision_tower.encoder.layers.0.layer_norm1" in on_the_stream(assigned)
     assert assigned["model.language_model.embed_tokens"].sequence_parallel
+
+
+def test_nested_tables_complete_the_models_own_plan():
+    """LLaVA's own plan covers its language model; smp's CLIP table splits its vision tower.
+    Negative control: a user plan is taken as written (no vision-tower entries added)."""
+    model = tp_vlm_cases.build("llava")
+    plan = resolve_plan(model, None, None)
+    assert plan.entries["model.vision_tower.encoder.layers.*.self_attn.q_proj"] == "colwise"
+    assert "smp's table for model.vision_tower (model_type 'clip_vision_model')" in plan.source
+    user = {k: v for k, v in model._tp_plan.items()}
+    assert resolve_plan(model, user, None).entries == user
 
 
 # --- the style registry -------------------------------------------------------------------------

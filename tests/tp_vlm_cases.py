@@ -41,6 +41,14 @@ def build(kind: str) -> nn.Module:
         return T.LlavaForConditionalGeneration(T.LlavaConfig(
             text_config=T.LlamaConfig(**TEXT), vision_config=T.CLIPVisionConfig(**VISION, projection_dim=32),
             image_token_id=IMAGE_TOKEN, vision_feature_layer=-1, projector_hidden_act="gelu"))
+    if kind == "gemma3":  # SigLIP vision tower, split by smp's table
+        return T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+            text_config=T.Gemma3TextConfig(**TEXT, sliding_window=16), vision_config=T.SiglipVisionConfig(**VISION),
+            mm_tokens_per_image=IMAGE_TOKENS, image_token_index=IMAGE_TOKEN, boi_token_index=253, eoi_token_index=254))
+    if kind == "paligemma":
+        return T.PaliGemmaForConditionalGeneration(T.PaliGemmaConfig(
+            text_config=T.GemmaConfig(**TEXT), vision_config=T.SiglipVisionConfig(**VISION, projection_dim=64),
+            image_token_index=IMAGE_TOKEN, projection_dim=64, hidden_size=64))
     if kind == "vit":
         return T.ViTForImageClassification(T.ViTConfig(**VISION, num_labels=3, hidden_dropout_prob=0.0,
                                                        attention_probs_dropout_prob=0.0))
@@ -60,6 +68,9 @@ def batch_for(kind: str, seed: int) -> dict[str, torch.Tensor]:
     """The global batch `kind`'s forward takes (with its loss's targets)."""
     if kind == "llava":
         return image_text_batch(seed)
+    if kind in ("gemma3", "paligemma"):  # image tokens marked in token_type_ids too
+        batch = image_text_batch(seed)
+        return {**batch, "token_type_ids": (batch["input_ids"] == IMAGE_TOKEN).long()}
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randn(GLOBAL_BATCH, 3, 16, 16, generator=g)
     if kind in ("vit", "dinov2"):

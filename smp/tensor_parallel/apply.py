@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from smp._compat import check_sequence_parallel
 from smp.errors import ConfigError, PlanError
 from smp.tensor_parallel import registry as reg
 from smp.tensor_parallel.loss import use_vocab_parallel_loss
@@ -41,6 +42,8 @@ def apply_tensor_parallel(
     become DTensors on the TP mesh, which fully_shard then shards further over the
     data-parallel axes.
     """
+    if sequence_parallel:
+        check_sequence_parallel()  # before any change to the model: refused on torch < 2.11
     tp = tp_mesh.size()
     resolved = resolve_plan(model, plan, config_plan)
     check_head_counts(model, tp)
@@ -88,11 +91,15 @@ def check_head_counts(model: nn.Module, tp: int) -> None:
 
 
 def _head_counts(model: nn.Module) -> set[int]:
-    """The config's head counts (num_attention_heads, num_key_value_heads, n_head, ...)."""
+    """The config's head counts (num_attention_heads, num_key_value_heads, n_head, ...), its
+    sub-models' too (a VLM's vision tower, split by smp's table)."""
     cfg = text_config(model)
     if cfg is None:
         return set()
-    return {v for k, v in vars(cfg).items() if _is_count(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    top = getattr(model, "config", None)
+    configs = [cfg, *(getattr(top, k, None) for k in (getattr(top, "sub_configs", None) or {}))]
+    return {v for c in configs if c is not None for k, v in vars(c).items()
+            if _is_count(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
 def _is_count(name: str) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from smp import plans
+from smp._compat import model_tp_plan
 from smp.errors import ConfigError
 from smp.tensor_parallel import registry as reg
 from smp.tensor_parallel.styles import is_conv1d
@@ -178,6 +179,20 @@ def _smp_table(model: nn.Module) -> dict[str, StyleSpec]:
     return entries
 
 
+def _complete_with_nested_tables(model: nn.Module, plan: TPPlan) -> None:
+    """A model's own plan (or smp's table) covers its own layers; a sub-model it leaves out that
+    smp's table knows (LLaVA's CLIP vision tower, Gemma3's SigLIP) is split by that table too,
+    so that a large vision tower is not whole on every TP rank. A sub-model the plan already
+    names a module of is left to the plan; user plans are taken as written."""
+    names = [n for n, _ in model.named_modules()]
+    named = {n for p in plan.entries for n in plans.names_matching(p, names)}
+    for sub, entries in plans.nested_tables(model, SMP_TABLES).items():
+        if any(n.startswith(sub + ".") for n in named):
+            continue
+        plan.entries.update(entries)
+        plan.source += f" + smp's table for {sub} (model_type '{plans.model_type(model.get_submodule(sub))}')"
+
+
 def resolve_plan(model: nn.Module, user_plan: dict[str, StyleSpec] | None, config_plan: dict[str, str] | None) -> TPPlan:
     """The plan to use for `model`, by the precedence in the module docstring."""
     model_type = plans.model_type(model)
@@ -185,9 +200,11 @@ def resolve_plan(model: nn.Module, user_plan: dict[str, StyleSpec] | None, confi
         TPPlan("tp_plan argument of smp.transform", dict(user_plan or {}), strict=True),
         TPPlan("tensor_parallel.plan in the config", dict(config_plan or {}), strict=True),
         TPPlan(f"{type(model).__name__}'s own transformers plan",
-               plans.own_plan(model, "base_model_tp_plan", composed_attr="_tp_plan")),
+               plans.own_plan(model, "base_model_tp_plan", composed=model_tp_plan(model))),
         TPPlan(f"smp's table for model_type '{model_type}'", _smp_table(model)),
     ])
+    if found is not None and not found.strict:
+        _complete_with_nested_tables(model, found)
     if found is not None:
         return found
     raise ConfigError(
