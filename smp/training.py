@@ -23,8 +23,9 @@ def clip_grad_norm_(
     """Clip gradients by their global norm across every shard and TP rank; returns the norm.
 
     Sharded (DTensor) gradients contribute their local part, summed over the mesh dims they
-    are sharded on; replicated ones count once. Equal to `torch.nn.utils.clip_grad_norm_` on the
-    unsharded model.
+    are sharded on; replicated ones count once; a pipelined model's stages are summed over the
+    pipeline ranks (pass the model, not its parameters). Equal to
+    `torch.nn.utils.clip_grad_norm_` on the unsharded model.
     """
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
     grads = [p.grad for p in params if p.grad is not None]
@@ -54,7 +55,12 @@ def clip_grad_norm_(
                     dist.all_reduce(local, op=op, group=mesh.get_group(dim))
         totals.append(local)
     stacked = torch.stack([t.to(totals[0].device) for t in totals])
-    total = stacked.max() if is_max else stacked.sum().pow(1.0 / norm_type)
+    local = stacked.max() if is_max else stacked.sum()
+    # A pipelined model holds one slice of the layers per pipeline rank: add up the stages.
+    pp_group = getattr(model_or_params, "pp_group", None)
+    if pp_group is not None:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=pp_group)
+    total = local if is_max else local.pow(1.0 / norm_type)
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(clip_coef.to(g.device))

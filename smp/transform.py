@@ -14,6 +14,7 @@ from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
+from smp.pipeline import build_pipeline
 from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_meta_model
 from smp.sharding.fsdp import fsdp_needed, settle_partial_grads, torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
@@ -27,13 +28,34 @@ def transform(
     """Apply the configured parallelism to `model` in place and return it.
 
     Build the optimizer after this call, from the returned module's parameters, as with FSDP2.
+    With pipeline_parallel_degree > 1 it returns this rank's stages (smp.pipeline.PipelinedModel);
+    train it with `smp.pipeline.step`.
     `tp_plan` (module-name pattern -> style) overrides the model's own tensor-parallel plan;
     `moe_config` (smp.expert_parallel.MoEConfig, SMP v2's `transform(model, config=MoEConfig(...))`)
     overrides the config's `moe:` section.
     """
     st = runtime.current()
-    return apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan,
-                             materialize=materialize, moe_config=moe_config)
+    if st.dims.pp == 1:
+        return apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan,
+                                 materialize=materialize, moe_config=moe_config)
+    # 0. Pipeline first: the model is split into stages, and each stage of this rank then goes
+    #    through the same recipe over its own slice of the mesh.
+    cfg = st.config
+    if "reshard_after_forward" not in cfg.model_fields_set:
+        # Keep each FSDP unit gathered from the first micro-batch's forward to the last one's
+        # backward: one all-gather per unit per step instead of two per micro-batch (torchtitan's
+        # default under pp), for one unsharded stage's parameters held through the step.
+        cfg = cfg.model_copy(update={"reshard_after_forward": False})
+    if materialize and has_meta_tensors(model):
+        # Per-stage delayed init is not built yet: the whole model is initialised as eager
+        # construction would (bitwise), then split; each rank keeps only its stages after.
+        materialize_meta_model(model, torch.device("cpu") if cfg.cpu_offload else st.device, cfg.random_seed)
+
+    def recipe(stage: nn.Module) -> nn.Module:
+        return apply_parallelism(stage, cfg, st.dims, st.mesh, st.device, tp_plan=tp_plan,
+                                 materialize=materialize, moe_config=moe_config)
+
+    return build_pipeline(model, cfg.pipeline, st.mesh["pp"].get_group(), st.device, recipe)
 
 
 def apply_parallelism(

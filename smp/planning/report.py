@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from smp import scope
 from smp.config import ConfigError, ConfigSource, load_config
-from smp.context_parallel import deactivate as deactivate_context_parallel
 from smp.mesh import ParallelDims
 from smp.models import build_causal_lm, resolve_model_config
 from smp.planning.activations import activation_bytes, saved_activation_bytes
@@ -109,12 +109,20 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
     if micro_batch < 1 or seq_len < 1:
         raise ConfigError("--batch and --seq-len must be at least 1")
     dims = ParallelDims.from_config(cfg, world_size)  # degree errors before anything is built
+    if dims.pp > 1:  # its figures would be the whole model's on every rank: refuse, never mislead
+        raise ConfigError(
+            f"smp plan does not model pipeline_parallel_degree={dims.pp} yet (memory per stage, bubble, "
+            f"point-to-point bytes); plan the config with pipeline_parallel_degree: 1 and divide the "
+            f"layers' share by hand (docs/pipeline-parallel.md)"
+        )
     # A copy: transform may edit the model's config (activation checkpointing turns off use_cache).
     model_cfg = resolve_model_config(model) if isinstance(model, str) else copy.deepcopy(model)
     p_bytes = dtype_bytes(cfg.mixed_precision.param_dtype, torch.float32)
     g_bytes = dtype_bytes(cfg.mixed_precision.reduce_dtype, torch.float32)
 
-    with fake_world(world_size, rank):
+    # A scope of its own: the recipe's session objects (the context-parallel setup over the fake
+    # world's group) go with the fake world, and an open session's are left as they were.
+    with fake_world(world_size, rank), scope.isolated("smp plan"):
         mesh, _ = dims.build_mesh("cpu")  # the mesh smp.init builds on gloo; meta tensors never use it
         with torch.device("meta"):
             meta_model = build_causal_lm(model_cfg)
@@ -139,7 +147,6 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         transient = transient_bytes(meta_model, p_bytes, g_bytes)
         top_k = getattr(model_cfg, "num_experts_per_tok", None) or 1
         expert_figures = expert_account(meta_model, experts, dims.ep, top_k)
-        deactivate_context_parallel()  # its process group is the fake world's, about to go
 
     act_device, act_host, notes = activation_bytes(cfg, outside, per_block, block_input, dims.tp)
     if dims.ep > 1:

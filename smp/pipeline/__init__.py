@@ -1,0 +1,18 @@
+"""Pipeline parallelism: the model split into stages over the "pp" mesh axis, run by
+torch.distributed.pipelining's schedules (docs/pipeline-parallel.md)."""
+
+from smp.pipeline.schedule import SCHEDULE_CLASSES, PipelinedModel, build_pipeline, step
+from smp.pipeline.split import StageInfo, build_stage_module, check_layer_chain, find_parts, plan_split, stage_indices
+
+__all__ = [
+    "SCHEDULE_CLASSES",
+    "PipelinedModel",
+    "StageInfo",
+    "build_pipeline",
+    "build_stage_module",
+    "check_layer_chain",
+    "find_parts",
+    "plan_split",
+    "stage_indices",
+    "step",
+]

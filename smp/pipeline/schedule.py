@@ -1,0 +1,183 @@
+"""The pipelined model a rank holds and the training step that runs torch's schedules over it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from smp.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineConfig, check_pipeline
+from smp.errors import ConfigError, UsageError
+from smp.pipeline.split import StageInfo, build_stage_module, check_layer_chain, find_parts, plan_split, stage_indices
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv_zero_bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+
+IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
+
+
+class PipelinedModel(nn.Module):
+    """The stages of a model this rank holds (one, or several under virtual-stage schedules).
+
+    Its parameters carry the whole model's names (`model.layers.5.mlp.up_proj.weight`): the
+    stages hold disjoint slices, so `named_parameters` / `state_dict` are this rank's slice of the
+    model's. Build the optimizer from `parameters()`. Train with `smp.pipeline.step(model,
+    input_ids, labels)`; calling it like a module is an error (a pipeline stage cannot run the
+    whole model).
+    """
+
+    def __init__(self, stages: list[nn.Module], infos: list[StageInfo], split: list[StageInfo],
+                 pipe: PipelineConfig, pp_group: dist.ProcessGroup, device: torch.device):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.stage_infos = infos  # this rank's stages
+        self.split = split  # every stage of the pipeline (layers, parameters, FLOPs)
+        self.pipe = pipe
+        self.pp_group = pp_group
+        self.device = device
+        self._schedule: Any = None
+        self._loss_fn: Callable | None = None
+        self._scale = 1.0  # set per step: 1 / (what the micro-batch losses are normalised by)
+
+    # --- names of the whole model -------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        for stage in self.stages:
+            yield from stage.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        for stage in self.stages:
+            yield from stage.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        merged: dict[str, Any] = {}
+        for stage in self.stages:
+            merged.update(stage.state_dict(*args, **kwargs))
+        return merged
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise UsageError(
+            "loading a state_dict into a pipelined model is not built yet (pipeline_parallel_degree > 1); "
+            "load the checkpoint into the model before smp.transform"
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise UsageError(
+            "a pipelined model (pipeline_parallel_degree > 1) holds only this rank's stages and cannot be "
+            "called like the whole model: run a training step with smp.pipeline.step(model, input_ids, labels)"
+        )
+
+    def describe_split(self) -> str:
+        return "\n".join(s.describe() for s in self.split)
+
+    # --- the step ------------------------------------------------------------------------------
+    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self._loss_fn is None:  # next-token cross-entropy summed, over the batch's target count
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                ignore_index=IGNORE_INDEX, reduction="sum",
+            )
+        else:
+            loss = self._loss_fn(logits, labels)
+        return loss * self._scale
+
+    def _build_schedule(self, microbatches: int) -> Any:
+        pp = dist.get_world_size(self.pp_group)
+        num_stages = pp * len(self.stages)
+        torch_stages = [
+            PipelineStage(stage, info.index, num_stages, self.device, group=self.pp_group)
+            for stage, info in zip(self.stages, self.stage_infos)
+        ]
+        cls = SCHEDULE_CLASSES[self.pipe.schedule]
+        # scale_grads=False: the loss is already divided so that the micro-batches sum to the
+        # whole batch's loss (torch's default divides by the micro-batch count, which equals the
+        # batch mean only when every micro-batch holds as many targets).
+        if self.pipe.schedule in SINGLE_STAGE_SCHEDULES:
+            return cls(torch_stages[0], n_microbatches=microbatches, loss_fn=self._stage_loss, scale_grads=False)
+        return cls(torch_stages, n_microbatches=microbatches, loss_fn=self._stage_loss, scale_grads=False)
+
+    def _holds_last(self) -> bool:
+        return any(info.last for info in self.stage_infos)
+
+
+def build_pipeline(
+    model: nn.Module, pipe: PipelineConfig, pp_group: dist.ProcessGroup, device: torch.device,
+    recipe: Callable[[nn.Module], nn.Module],
+) -> PipelinedModel:
+    """Split `model` into pipeline stages, keep this rank's, and pass each through `recipe`
+    (the rest of smp's parallelism: FSDP over the stage's data-parallel ranks, ...)."""
+    pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    local = pipe.local_stages()
+    parts = find_parts(model)
+    check_layer_chain(model, parts)
+    split = plan_split(model, pp * local, pipe.split)
+    mine = [split[i] for i in stage_indices(pp_rank, pp, local, pipe.schedule in V_SCHEDULES)]
+    stages = [recipe(build_stage_module(model, parts, info)) for info in mine]
+    return PipelinedModel(stages, mine, split, pipe, pp_group, device)
+
+
+def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """One training step (forward and backward of every micro-batch) on every rank of the
+    pipeline; returns the batch's loss on every rank. Call `optimizer.step()` after it.
+
+    `input_ids` and `labels` ([batch, seq]; labels default to input_ids) are this rank's
+    data-parallel rows, the same on every pipeline rank. By default the loss is the next-token
+    cross-entropy averaged over every target of the batch (labels equal to -100 are ignored),
+    exactly what `model(input_ids, labels=labels).loss` gives on the whole model. A `loss_fn(logits,
+    labels)` returning the mean over its micro-batch is averaged over the micro-batches (the batch
+    mean when every micro-batch weighs the same).
+    """
+    if not isinstance(model, PipelinedModel):
+        raise UsageError(
+            f"smp.pipeline.step expects the model smp.transform returned with pipeline_parallel_degree > 1, "
+            f"got {type(model).__name__}"
+        )
+    labels = input_ids if labels is None else labels
+    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+        raise UsageError(
+            f"smp.pipeline.step takes input_ids and labels of one shape [batch, seq]; got "
+            f"{tuple(input_ids.shape)} and {tuple(labels.shape)}"
+        )
+    pp = dist.get_world_size(model.pp_group)
+    try:
+        check_pipeline(model.pipe, pp, batch_size=input_ids.shape[0])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    microbatches = model.pipe.microbatches or pp * len(model.stages)
+    if model._schedule is None or model._loss_fn is not loss_fn:
+        model._loss_fn = loss_fn
+        model._schedule = model._build_schedule(microbatches)
+    if loss_fn is None:
+        targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        model._scale = 1.0 / max(targets, 1)
+    else:
+        model._scale = 1.0 / microbatches
+    input_ids, labels = input_ids.to(model.device), labels.to(model.device)
+    losses: list[torch.Tensor] = []
+    model._schedule.step(input_ids, target=labels, losses=losses)
+    total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=model.device)
+    # Only the rank holding the last stage has the losses: a sum over the pipeline gives it to all.
+    dist.all_reduce(total, group=model.pp_group)
+    return total
