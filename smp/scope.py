@@ -14,13 +14,15 @@ calls each slot's `close(obj)` on its object, newest first, and forgets them all
 session starts with none: two sessions in one process never see each other's objects.
 
 This module imports nothing of smp's, so that any layer can declare a slot without an import
-cycle; only smp/runtime.py opens and closes session scopes.
+cycle; smp/runtime.py opens and closes session scopes, and `isolated` gives a run inside the
+process (`smp plan`'s fake world) a scope of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class Scope:
 
 
 _PROCESS = Scope("process")
-_SESSIONS: list[Scope] = []  # the open session's scope (one at most: smp.init refuses a second)
+_SESSIONS: list[Scope] = []  # open scopes, innermost last: the session's, and `isolated` ones
 
 
 def current() -> Scope:
@@ -108,3 +110,15 @@ def close_session(scope: Scope) -> None:
     finally:
         if scope in _SESSIONS:
             _SESSIONS.remove(scope)
+
+
+@contextlib.contextmanager
+def isolated(name: str) -> Iterator[Scope]:
+    """A scope of its own for the block, closed at its end: what the block makes is neither
+    seen by nor left in the scope around it (`smp plan` runs smp's recipe in a fake world inside
+    whatever session the caller has open)."""
+    scope = open_session(name)
+    try:
+        yield scope
+    finally:
+        close_session(scope)

@@ -170,3 +170,36 @@ def test_session_objects_close_with_the_session(ranks):
     for r in ranks(2).run(cases.scoped_objects, timeout=300):
         assert r == {"s1_cp_active": True, "s1_group_destroyed": True, "s2_cp_active": False,
                      "s2_same_saves": False, "outside_cp_active": False}, r
+
+
+
+def _plan_refused_after_context_parallel(monkeypatch, isolate: bool):
+    """Run `smp plan` on a tiny Mixtral with its load-balancing loss at context parallel 2: the
+    recipe sets up context parallel over the fake world's group, then refuses the loss (its
+    router statistics cannot be summed over cp ranks). Returns the setup left behind."""
+    import contextlib
+
+    from transformers import MixtralConfig
+
+    from smp.planning import plan
+
+    if not isolate:  # the control: the recipe's objects land in the process scope
+        monkeypatch.setattr(scope, "isolated", lambda name: contextlib.nullcontext())
+    moe = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2, output_router_logits=True)
+    with pytest.raises(smp.ConfigError, match="context_parallel_degree=2"):
+        plan({"context_parallel_degree": 2}, moe, 2, seq_len=16, micro_batch=2)
+    left = active_cp()
+    deactivate_cp()
+    return left
+
+
+def test_plan_leaves_nothing_behind_when_it_fails(monkeypatch):
+    """`smp plan` runs the recipe in a scope of its own: a plan refused after context parallel
+    was set up leaves no setup over the fake world's (destroyed) group; without that scope
+    (negative control) the stale setup stays in the process, where attention would use it."""
+    assert _plan_refused_after_context_parallel(monkeypatch, isolate=True) is None
+    leaked = _plan_refused_after_context_parallel(monkeypatch, isolate=False)
+    assert leaked is not None and leaked.size == 2, leaked
+    assert not scope.process().objects
