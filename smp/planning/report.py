@@ -109,6 +109,12 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
     if micro_batch < 1 or seq_len < 1:
         raise ConfigError("--batch and --seq-len must be at least 1")
     dims = ParallelDims.from_config(cfg, world_size)  # degree errors before anything is built
+    if dims.pp > 1:  # its figures would be the whole model's on every rank: refuse, never mislead
+        raise ConfigError(
+            f"smp plan does not model pipeline_parallel_degree={dims.pp} yet (memory per stage, bubble, "
+            f"point-to-point bytes); plan the config with pipeline_parallel_degree: 1 and divide the "
+            f"layers' share by hand (docs/pipeline-parallel.md)"
+        )
     # A copy: transform may edit the model's config (activation checkpointing turns off use_cache).
     model_cfg = resolve_model_config(model) if isinstance(model, str) else copy.deepcopy(model)
     p_bytes = dtype_bytes(cfg.mixed_precision.param_dtype, torch.float32)
