@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from smp import _compat
 from tests import tp_cases
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-5
@@ -139,7 +140,9 @@ def test_clip_grad_norm_under_tp(ranks, world, kind):
 @pytest.mark.parametrize("config,expected", [
     # 2 decoder layers: one reduction per attention / MLP region (not one per q, k, v, gate, up
     # projection: that was 11 all-reduces), plus the LM head's input.
-    (TP2, {"all_reduce": 5}),
+    pytest.param(TP2, {"all_reduce": 5}, marks=pytest.mark.xfail(
+        _compat.torch_version() < (2, 11), strict=True,
+        reason="torch 2.9's DTensor adds 3 reduce-scatters (_reduce_scatter_base_) to this backward")),
     # Sequence parallel: each region's input gradient goes back to the sequence shards by one
     # reduce-scatter; the all-reduces are the replicated norm weights' gradients (2 x 2 + final).
     (TP2_SP, {"reduce_scatter_tensor": 5, "all_gather_into_tensor": 5, "all_reduce": 5}),
@@ -164,6 +167,9 @@ def test_parameter_bytes_per_rank(ranks):
         assert full / 2 <= local <= 0.52 * full, (local, full)
 
 
+@pytest.mark.xfail(_compat.torch_version() == (2, 11), strict=True, reason=(
+    "torch 2.11's get_model_state_dict(full_state_dict=True) reads the fused-QKV _StridedShard under "
+    "FSDP as a shard order and refuses it (ValueError); smp's own gathers use smp._compat.full_tensor"))
 @pytest.mark.parametrize("world,kind", [(2, "user"), (4, "gpt2")])
 def test_full_state_dict_keeps_original_layout(ranks, world, kind):
     """Packed qkv weights are split per part, yet the gathered checkpoint is the original."""

@@ -36,8 +36,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from smp._compat import own_parameters, strided_shard
 from smp.errors import PlanError
 
 
@@ -94,11 +95,11 @@ def expert_placement(style: str, ndim: int, owner: str, *, transposed: bool = Fa
     if style == "colwise" or (style == "packed_colwise" and interleaved):
         return Shard(out_dim)
     if style == "packed_colwise":
-        return _StridedShard(out_dim, split_factor=2)
+        return strided_shard(out_dim, 2)
     if style == "rowwise" or (style == "packed_rowwise" and interleaved):
         return Shard(in_dim)
     if style == "packed_rowwise":
-        return _StridedShard(in_dim, split_factor=2)
+        return strided_shard(in_dim, 2)
     raise PlanError(
         f"tensor-parallel plan: style {style!r} on expert parameter {owner}; expert parameters take "
         "'packed_colwise', 'colwise', 'rowwise' or 'packed_rowwise'"
@@ -205,14 +206,15 @@ class MoeExperts(ParallelStyle):
                 _SumBackward.apply(_local(t), group) if isinstance(t, torch.Tensor) and t.is_floating_point() else _local(t)
                 for t in routing
             )
-            saved = dict(module._parameters)
+            slots = own_parameters(module)
+            saved = dict(slots)
             try:
                 for pname, p in saved.items():
                     if isinstance(p, DTensor):
-                        module._parameters[pname] = local_param(pname, p)  # type: ignore[assignment]
+                        slots[pname] = local_param(pname, p)  # type: ignore[assignment]
                 out = original_forward(hidden_states, *routing, **kwargs)
             finally:
-                module._parameters.update(saved)
+                slots.update(saved)
             return _SumForward.apply(out, group)
 
         module.forward = forward  # type: ignore[method-assign]

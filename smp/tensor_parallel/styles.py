@@ -30,8 +30,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from smp._compat import apply_style, own_parameters, strided_shard, style_io_functions
 from smp.errors import PlanError
 
 SEQ_DIM = 1  # (batch, seq, hidden) everywhere in smp's supported models
@@ -62,10 +63,11 @@ class Conv1DColwise(ColwiseParallel):
             _distribute(module, "bias", mesh, Shard(0), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        prepare_input, prepare_output = style_io_functions(self)
         return distribute_module(
             module, device_mesh, self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            partial(prepare_input, self.input_layouts, self.desired_input_layouts),
+            partial(prepare_output, self.output_layouts, self.use_local_output),
         )
 
 
@@ -79,10 +81,11 @@ class Conv1DRowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
+        prepare_input, prepare_output = style_io_functions(self)
         return distribute_module(
             module, device_mesh, self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            partial(prepare_input, self.input_layouts, self.desired_input_layouts),
+            partial(prepare_output, self.output_layouts, self.use_local_output),
         )
 
 
@@ -93,18 +96,19 @@ def _local_params(module: nn.Module, convert: dict[str, Any] | None = None) -> I
     `to_local()` is differentiable: gradients flow back into the DTensor parameters with their
     own placements. Reads `_parameters` at call time, so FSDP's unsharded parameters are used.
     """
-    saved = dict(module._parameters)
+    slots = own_parameters(module)
+    saved = dict(slots)
     nf = getattr(module, "nf", None)
     try:
         for name, p in saved.items():
             if isinstance(p, DTensor):
                 to_local = (convert or {}).get(name, DTensor.to_local)
-                module._parameters[name] = to_local(p)  # type: ignore[assignment]
+                slots[name] = to_local(p)  # type: ignore[assignment]
         if is_conv1d(module):  # Conv1D views its output to (..., nf): the local width here
-            module.nf = module._parameters["weight"].shape[1]
+            module.nf = slots["weight"].shape[1]
         yield
     finally:
-        module._parameters.update(saved)
+        slots.update(saved)
         if nf is not None:
             module.nf = nf
 
@@ -130,7 +134,7 @@ class PackedColwise(ParallelStyle):
 
     def _partition(self, module: nn.Module, mesh: DeviceMesh) -> None:
         out_dim = 1 if is_conv1d(module) else 0
-        _distribute(module, "weight", mesh, _StridedShard(out_dim, split_factor=self.parts), self.src_data_rank)
+        _distribute(module, "weight", mesh, strided_shard(out_dim, self.parts), self.src_data_rank)
         module.weight._smp_fsdp_shard_dim = 1 - out_dim  # type: ignore[attr-defined]
         if getattr(module, "bias", None) is not None:
             _distribute(module, "bias", mesh, Replicate(), self.src_data_rank)
@@ -258,7 +262,7 @@ class ReplicatedPartialGrad(ParallelStyle):
         original_forward = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            convert = {name: local_partial for name in module._parameters}
+            convert = {name: local_partial for name in own_parameters(module)}
             with _local_params(module, convert):
                 return original_forward(*args, **kwargs)
 
@@ -390,7 +394,7 @@ class OwnedOutput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.inner.src_data_rank = self.src_data_rank
-        module = self.inner._apply(module, device_mesh)
+        module = apply_style(self.inner, module, device_mesh)
 
         def own(_mod: nn.Module, _args: tuple, out: Any) -> Any:
             return _Owned.apply(out) if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
