@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from smp._compat import own_children
 from smp.errors import ConfigError
 
 
@@ -70,7 +71,7 @@ def _set(model: nn.Module, path: str, value: nn.Module | None) -> None:
     owner = model
     for part in parents:
         owner = getattr(owner, part)
-    owner._modules[name] = value  # None keeps the name registered but holds nothing
+    own_children(owner)[name] = value  # None keeps the name registered but holds nothing
 
 
 def find_parts(model: nn.Module) -> ModelParts:
@@ -312,8 +313,9 @@ def build_stage_module(model: nn.Module, parts: ModelParts, stage: StageInfo) ->
     stage_module = copy.deepcopy(model, memo)
     if not parts.hf:
         listed = _get(stage_module, parts.layers)
-        for key in [k for k, v in listed._modules.items() if v is None]:
-            del listed._modules[key]  # keys of the kept layers keep their original index
+        children = own_children(listed)
+        for key in [k for k, v in children.items() if v is None]:
+            del children[key]  # keys of the kept layers keep their original index
     _tie_check(model, stage_module, stage)
     stage_module.forward = types.MethodType(_hf_stage_forward if parts.hf else _plain_stage_forward, stage_module)
     stage_module._smp_stage = (stage, parts)  # read by the stage forward
