@@ -113,3 +113,60 @@ def test_scalar_parameter_gradient_not_averaged_is_caught(ranks):
     """Negative control: each rank's own gradient of the 0-d parameter."""
     for r in ranks(2).run(cases.scalar_parameter, average=False, steps=1, timeout=300):
         assert r["scale_grad_diff"] > 1e-3, r
+
+
+def _tiny_idefics3():
+    import transformers as T
+
+    return T.Idefics3ForConditionalGeneration(T.Idefics3Config(
+        text_config=T.LlamaConfig(**cases.TEXT), image_token_id=255, scale_factor=1,
+        vision_config=T.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, image_size=16, patch_size=8)))
+
+
+def test_block_discovery_takes_the_repeated_layer():
+    """Idefics3 (and SmolVLM) list only their vision attention in _no_split_modules: the FSDP
+    unit is the repeated layer holding it (the ModuleList element), so the vision MLPs and
+    norms leave the always-gathered root; root_modules names what stays there."""
+    from smp.sharding import find_blocks
+    from smp.sharding.blocks import root_modules
+
+    model = _tiny_idefics3()
+    blocks = find_blocks(model)
+    assert [type(b).__name__ for b in blocks] == ["Idefics3EncoderLayer"] * 2 + ["LlamaDecoderLayer"] * 2
+    names, share = root_modules(model, blocks)
+    assert not any(".mlp" in n or "layer_norm" in n for n in names), names
+    assert "lm_head" in names and "model.text_model.embed_tokens" in names and 0 < share < 0.35
+
+
+def test_attention_only_units_are_caught(monkeypatch):
+    """Negative control: without the promotion the attention is the unit and root_modules shows
+    each vision layer's MLP and norms left in the root."""
+    from smp.sharding import blocks as blocks_module
+
+    monkeypatch.setattr(blocks_module, "_repeated_layers", lambda model, found: found)
+    model = _tiny_idefics3()
+    found = blocks_module.find_blocks(model)
+    names, share = blocks_module.root_modules(model, found)
+    assert "Idefics3VisionAttention" in [type(b).__name__ for b in found]
+    assert any(".mlp" in n for n in names) and share > 0.35, (names, share)
+
+
+AC_OFFLOAD = {"activation_checkpointing": "full", "sm_activation_offloading": True, "activation_offload_min_bytes": 0}
+
+
+def test_frozen_tower_is_not_offloaded(ranks):
+    """A frozen vision tower on inputs that need no gradient: backward never runs through its
+    blocks, so the offloader moves none of their activations (the language model's still go),
+    and the run stays exact vs one process (3 SGD steps, 1e-5)."""
+    for r in ranks(2).run(cases.mixed_batch, config=AC_OFFLOAD, family="llava", image_ranks=(0, 1),
+                          freeze_tower=True, timeout=300):
+        assert r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5 and r["tower_grad"] == 0.0, r
+        assert r["tower_blocks"] > 0 and r["tower_offloaded"] == 0 and r["other_offloaded"] > 0, r
+
+
+def test_frozen_tower_offloaded_without_the_check_is_caught(ranks):
+    """Negative control: with the check off (every block counted as needing gradients) the
+    frozen tower's blocks are offloaded, which the test above would catch."""
+    for r in ranks(2).run(cases.frozen_tower_offloaded_anyway, config=AC_OFFLOAD, timeout=300):
+        assert r["tower_offloaded"] > 0, r

@@ -287,7 +287,7 @@ def _grad_gap(model: torch.nn.Module, reference: torch.nn.Module) -> float:
 
 
 def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), steps: int = 3,
-                run_tower_everywhere: bool = True) -> dict:
+                run_tower_everywhere: bool = True, freeze_tower: bool = False) -> dict:
     """`family` transformed at world 2 on a global batch where only `image_ranks` hold images,
     vs the same model in one process on the whole batch: {"loss_diff", "grad_diff", "losses",
     "tower_grad"} over `steps` SGD steps. `run_tower_everywhere=False` (negative control, run in
@@ -304,9 +304,12 @@ def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), 
         with smp.session(config):
             torch.manual_seed(0)
             reference = build(family)
+            if freeze_tower:
+                tower = reference.model.vision_tower if family == "llava" else reference.model.visual
+                tower.requires_grad_(False)
             model = smp.transform(copy.deepcopy(reference))
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+            ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
             rank, world = dist.get_rank(), dist.get_world_size()
             local = _vlm_rows(family, rank, rank in image_ranks)
             whole = _global_batch(family, image_ranks, world)
@@ -319,14 +322,29 @@ def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), 
                 report["losses"].append(float(ref_loss.detach()))
                 report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss.detach()) - float(ref_loss.detach())))
                 report["grad_diff"] = max(report["grad_diff"], _grad_gap(model, reference))
-                report["tower_grad"] = max(report["tower_grad"], max(
+                report["tower_grad"] = max([report["tower_grad"], *(
                     float(p.grad.abs().max()) for n, p in reference.named_parameters()
-                    if p.grad is not None and ("vision" in n or "visual" in n)))
+                    if p.grad is not None and ("vision" in n or "visual" in n))])
                 opt.step(), ref_opt.step()
                 opt.zero_grad(), ref_opt.zero_grad()
-            return report
+            return {**report, **_offloaded_by_tower(model)}
     finally:
         fsdp.install_image_path_on_every_rank = original
+
+
+def _offloaded_by_tower(model: torch.nn.Module) -> dict:
+    """Bytes the activation offloader moved to host in the last forward, in the vision tower's
+    blocks and in the others (empty when offloading is off)."""
+    from smp.activations import offload_stats
+
+    stats = offload_stats(model)
+    if stats is None:
+        return {}
+    offloader = model._smp_activation_offloader
+    tower = [any(k in type(b).__name__ for k in ("Vision", "CLIPEncoder", "Siglip")) for b in offloader.blocks]
+    return {"tower_offloaded": sum(o for o, t in zip(stats.offloaded_bytes, tower) if t),
+            "tower_blocks": sum(tower),
+            "other_offloaded": sum(o for o, t in zip(stats.offloaded_bytes, tower) if not t)}
 
 
 def mixed_batch_in_subprocess(family: str, timeout: float = 150.0) -> dict:
@@ -442,3 +460,15 @@ def scalar_parameter(average: bool = True, steps: int = 3) -> dict:
             return report
     finally:
         fsdp.average_scalar_gradients = original
+
+
+def frozen_tower_offloaded_anyway(config: dict) -> dict:
+    """`mixed_batch` with a frozen LLaVA tower and the offloader's gradient check off."""
+    from smp.activations import offloading
+
+    original = offloading._needs_grad
+    offloading._needs_grad = lambda module, args, kwargs: True
+    try:
+        return mixed_batch(config, "llava", image_ranks=(0, 1), steps=1, freeze_tower=True)
+    finally:
+        offloading._needs_grad = original

@@ -28,6 +28,16 @@ from smp._compat import dtensor_from_spec, dtensor_local, dtensor_spec, in_backw
 from smp.errors import ConfigError
 
 
+def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether backward can run through `module` for this call: a parameter or an input tensor
+    requires a gradient, and autograd is recording."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+
+
 def apply_activation_offloading(model: nn.Module, blocks: list[nn.Module], *, horizon: int, min_bytes: int) -> None:
     """Install an offloader on `blocks` (in forward order); `offload_stats(model)` reads it.
 
@@ -130,12 +140,17 @@ class ActivationOffloader:
     def attach(self) -> None:
         for index, block in enumerate(self.blocks):
             # prepend: our context must be open before checkpoint's pre-hook saves the inputs.
-            block.register_forward_pre_hook(functools.partial(self._pre_forward, index), prepend=True)
+            block.register_forward_pre_hook(functools.partial(self._pre_forward, index), prepend=True, with_kwargs=True)
             block.register_forward_hook(functools.partial(self._post_forward, index), always_call=True)
 
     # ------------------------------------------------------------------ forward
-    def _pre_forward(self, index: int, module: nn.Module, args) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args, kwargs) -> None:
         if in_backward():  # checkpoint's recompute: its own hooks own the saved tensors
+            return
+        if not _needs_grad(module, args, kwargs):
+            # A frozen block on inputs that need no gradient (a frozen vision tower): backward
+            # never runs through it, so nothing it might save is worth moving to the host.
+            self.stats.saved_bytes[index] = self.stats.offloaded_bytes[index] = 0
             return
         self._param_ptrs = {_storage_ptr(p) for p in module.parameters()}
         self._dedup = {}

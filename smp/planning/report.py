@@ -100,6 +100,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
     """
     from smp.metrics import model_flops
     from smp.sharding import find_blocks
+    from smp.sharding.blocks import root_modules
     from smp.transform import apply_parallelism
 
     start = time.perf_counter()
@@ -128,6 +129,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
             meta_model = build_causal_lm(model_cfg)
         # Activations first: one forward of the still unsharded model at this rank's micro-batch.
         blocks = find_blocks(meta_model, cfg.shard_modules)
+        root_names, root_share = root_modules(meta_model, blocks)  # what stays in the root unit
         experts = find_experts(meta_model, cfg, dims.ep)
         compute = p_bytes if cfg.mixed_precision.param_dtype else None
         # Under context parallel a rank holds seq_len / cp tokens of each sequence.
@@ -149,6 +151,9 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         expert_figures = expert_account(meta_model, experts, dims.ep, top_k)
 
     act_device, act_host, notes = activation_bytes(cfg, outside, per_block, block_input, dims.tp)
+    shown = ", ".join(root_names[:8]) + (f" ... ({len(root_names) - 8} more)" if len(root_names) > 8 else "")
+    notes.append(f"root FSDP unit (gathered for the whole step, never checkpointed): {shown}: "
+                 f"{root_share:.1%} of the parameters")
     if dims.ep > 1:
         notes.append(f"expert parallel assumes balanced routing: a rank's experts receive tokens x top_k choices "
                      f"(activations) and each choice leaves the rank with probability {dims.ep - 1}/{dims.ep} "

@@ -18,7 +18,8 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
     """The model's repeated blocks, outermost first, in module order.
 
     In order of preference: the classes named in the config (`shard_modules`), a Hugging Face
-    model's `_no_split_modules`, else the children of the model's nn.ModuleLists. A block that
+    model's `_no_split_modules` (each promoted to the repeated layer holding it: the nn.ModuleList
+    element it sits in), else the children of the model's nn.ModuleLists. A block that
     shares a parameter (a tied weight) with another block or with the rest of the model is
     left to the root unit: FSDP2 manages each parameter in exactly one unit.
     """
@@ -39,10 +40,47 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
     if no_split:
         blocks = [m for m in model.modules() if type(m).__name__ in set(no_split) and m is not model]
         if blocks:
-            return _without_shared_parameters(model, _outermost(blocks))
+            return _without_shared_parameters(model, _outermost(_repeated_layers(model, blocks)))
 
     blocks = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
     return _without_shared_parameters(model, _outermost(blocks))
+
+
+def _repeated_layers(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Each block replaced by the repeated layer that holds it: the nearest enclosing module
+    (itself included) that is an element of an nn.ModuleList. `_no_split_modules` sometimes
+    names only a part of a layer (Idefics3 and SmolVLM list their vision *attention*), which
+    would leave the rest of every layer (MLPs, norms) in the always-gathered root unit."""
+    parent: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for child in module.children():
+            parent.setdefault(id(child), module)
+    layers = []
+    for block in blocks:
+        current, layer = block, block
+        while id(current) in parent:
+            if isinstance(parent[id(current)], nn.ModuleList):
+                layer = current
+                break
+            current = parent[id(current)]
+        layers.append(layer)
+    return layers
+
+
+def root_modules(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[str], float]:
+    """(the modules whose parameters stay in the root FSDP unit, outside every block, in model
+    order; their share of the model's parameters): what `smp plan` reports as always gathered."""
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    names: list[str] = []
+    root = total = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if id(p) not in in_blocks:
+            root += p.numel()
+            module = name.rpartition(".")[0] or "<root>"
+            if module not in names:
+                names.append(module)
+    return names, (root / total if total else 0.0)
 
 
 def _outermost(blocks: list[nn.Module]) -> list[nn.Module]:

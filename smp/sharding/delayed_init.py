@@ -220,7 +220,9 @@ def _check_same_draws(model: nn.Module, eager: list[tuple[str, tuple[int, ...]]]
         )
     raise ConfigError(
         f"delayed initialisation cannot reproduce {_user_class(model).__name__}'s eager values: {reason}. "
-        "Build the model eagerly, or load its weights (smp.checkpointing.load_hf) instead of relying on init."
+        "Build the model eagerly, or load its pretrained weights instead of relying on init: "
+        "smp.transform(model, materialize=False), then smp.checkpointing.load_hf(folder, model) "
+        "(docs/checkpoints.md)."
     )
 
 
