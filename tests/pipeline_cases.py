@@ -159,19 +159,20 @@ def all_gathers_per_step(config: dict, steps: int = 2) -> dict:
         return {"units": units, "per_step": len(calls) / steps, "resharded_after_step": sharded}
 
 
-def call_errors(config: dict) -> list[str]:
+def call_errors(config: dict, path: str) -> list[str]:
     """What a pipelined model answers when used wrong: called like the whole model, a batch the
-    micro-batches do not divide."""
+    micro-batches do not divide, a checkpoint save (not built yet)."""
     with smp.session(config):
         torch.manual_seed(0)
         model = smp.transform(tiny_model("llama"))
         errors = []
         for attempt in (lambda: model(torch.zeros(2, 4, dtype=torch.long)),
-                        lambda: smp.pipeline.step(model, torch.zeros(3, 4, dtype=torch.long))):
+                        lambda: smp.pipeline.step(model, torch.zeros(3, 4, dtype=torch.long)),
+                        lambda: smp.checkpointing.save(path, model)):
             try:
                 attempt()
                 errors.append("")
-            except smp.Error as e:
+            except (smp.Error, AttributeError) as e:
                 errors.append(f"{type(e).__name__}: {e}")
         return errors
 

@@ -82,6 +82,18 @@ class PipelinedModel(nn.Module):
             "load the checkpoint into the model before smp.transform"
         )
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # Code written for the whole model (checkpointing, export, trainers) reaches for its
+            # submodules by name: say what this object is instead of a bare missing attribute.
+            raise AttributeError(
+                f"a pipelined model (pipeline_parallel_degree > 1) has no attribute {name!r}: it holds only this "
+                f"rank's stages (model.stages). Checkpoints, export_hf and trainers of a pipelined model are not "
+                f"built yet (docs/pipeline-parallel.md)"
+            ) from None
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise UsageError(
             "a pipelined model (pipeline_parallel_degree > 1) holds only this rank's stages and cannot be "
