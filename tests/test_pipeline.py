@@ -119,6 +119,12 @@ def test_families_match_one_process(ranks, kind):
     _assert_matches(ranks(2).run(cases.equivalence, config={**PP2, "pipeline": "1f1b"}, kind=kind))
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_inside_stages(ranks, mode):
+    config = {**PP2, "pipeline": "1f1b", "activation_checkpointing": mode}
+    _assert_matches(ranks(2).run(cases.equivalence, config=config))
+
+
 def test_more_microbatches_and_a_mean_loss_fn(ranks):
     config = {**PP2, "pipeline": {"schedule": "gpipe", "microbatches": 8}}
     _assert_matches(ranks(2).run(cases.equivalence, config=config, loss="mean"))
