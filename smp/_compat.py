@@ -625,13 +625,3 @@ def checkpoint_wrapper_module() -> Any:
     import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as module
 
     return module
-
-
-# --- smp.sagemaker: FSDP1-era helpers SMP v2 scripts call (checked on torch 2.13.0) ----------
-
-def checkpoint_wrapper_module() -> Any:
-    """`torch.distributed.algorithms._checkpoint.checkpoint_wrapper`, which holds the
-    `offload_wrapper` SMP v2 scripts apply to the model (no public home in torch 2.13)."""
-    import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as module
-
-    return module
