@@ -170,3 +170,11 @@ def test_frozen_tower_offloaded_without_the_check_is_caught(ranks):
     frozen tower's blocks are offloaded, which the test above would catch."""
     for r in ranks(2).run(cases.frozen_tower_offloaded_anyway, config=AC_OFFLOAD, timeout=300):
         assert r["tower_offloaded"] > 0, r
+
+
+def test_mixed_batch_smp_cannot_run_is_refused_on_every_rank(ranks):
+    """Mllama's tower needs more than pixels (aspect ratios, tile masks): with images on one rank
+    only, every rank raises naming the model before any collective diverges."""
+    for error in ranks(2).run(cases.mixed_batch_refused, config={}, timeout=300):
+        assert error.startswith("ConfigError") and "(MllamaForConditionalGeneration)" in error, error
+        assert "model.vision_model" in error, error

@@ -472,3 +472,19 @@ def frozen_tower_offloaded_anyway(config: dict) -> dict:
         return mixed_batch(config, "llava", image_ranks=(0, 1), steps=1, freeze_tower=True)
     finally:
         offloading._needs_grad = original
+
+
+def mixed_batch_refused(config: dict) -> str:
+    """Mllama (no `get_image_features`: its tower needs aspect-ratio ids and tile masks) with an
+    image on rank 0 only: the error each rank raises before the forward runs, or ''."""
+    with smp.session(config):
+        torch.manual_seed(0)
+        model = smp.transform(build("mllama"))
+        batch = {"input_ids": torch.randint(3, 240, (1, 8))}
+        if dist.get_rank() == 0:  # never reaches the model: the refusal comes first
+            batch["pixel_values"] = torch.zeros(1, 1, 2, 3, 16, 16)
+        try:
+            model(**batch)
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""

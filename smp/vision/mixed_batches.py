@@ -49,7 +49,7 @@ def _blank_image(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
     size the tower takes, or None when smp does not know this tower's input layout."""
     config = getattr(module, "config", None)
     vision = getattr(config, "vision_config", None)
-    if vision is None:
+    if vision is None or not callable(getattr(module, "get_image_features", None)):
         return None
     params = inspect.signature(module.get_image_features).parameters
     if "image_grid_thw" in params:  # Qwen2-VL / Qwen2.5-VL: flattened patches + their grid
@@ -72,6 +72,12 @@ def _blank_image(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return {"pixel_values": torch.zeros(1, channels, size, size, device=device, dtype=dtype)}
 
 
+def _user_class_name(module: nn.Module) -> str:
+    """The model's own class name (FSDP2 re-classes a sharded module as `FSDP<Name>`)."""
+    name = type(module).__name__
+    return name[4:] if name.startswith("FSDP") and name[4:] in {c.__name__ for c in type(module).__mro__} else name
+
+
 def _float_sum(value: Any) -> torch.Tensor | None:
     """The sum of every floating-point tensor inside `value` (tensors, tuples, lists, dicts,
     ModelOutputs), or None when it holds none."""
@@ -91,8 +97,12 @@ class _ImagePathOnEveryRank:
 
     def __init__(self, name: str, module: nn.Module, groups: list[dist.ProcessGroup]) -> None:
         self.name, self.groups = name, groups
-        self.towers = sorted(n for n, c in module.named_children()
-                             if any(k in n for k in ("vision", "visual", "projector", "merger", "image")))
+        self.towers: list[str] = []  # the image-path modules, outermost, for the error message
+        for n, _ in module.named_modules():
+            last = n.rpartition(".")[2]
+            if any(k in last for k in ("vision", "visual", "projector", "merger", "image")) and \
+                    not any(n.startswith(t + ".") for t in self.towers):
+                self.towers.append(n)
         self.signature = inspect.signature(module.forward)
         self.pending: torch.Tensor | None = None
 
@@ -117,7 +127,7 @@ class _ImagePathOnEveryRank:
         if blank is None:
             raise ConfigError(
                 f"some ranks' batches hold images and others' do not, and smp cannot run "
-                f"'{self.name or '<root>'}' ({type(module).__name__})'s image path "
+                f"'{self.name or '<root>'}' ({_user_class_name(module)})'s image path "
                 f"({', '.join(self.towers) or 'get_image_features'}) on a blank image for the text-only "
                 "ranks: their FSDP units would all-gather on some ranks only. Give every rank at least "
                 "one image per step (e.g. a sampler that mixes image and text rows per rank)."
@@ -142,7 +152,11 @@ def install_image_path_on_every_rank(model: nn.Module, groups: list[dist.Process
     if not groups:
         return []
     names = []
-    for name, module in image_paths(model):
+    found = image_paths(model)
+    if not found and "pixel_values" in inspect.signature(model.forward).parameters and any(
+            k in n for n, _ in model.named_modules() for k in ("vision", "visual")):
+        found = [("", model)]  # an image path smp cannot run on a blank image: refused when mixed
+    for name, module in found:
         hooks = _ImagePathOnEveryRank(name, module, groups)
         module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
         module.register_forward_hook(hooks.post, with_kwargs=True)
