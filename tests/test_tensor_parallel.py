@@ -140,9 +140,7 @@ def test_clip_grad_norm_under_tp(ranks, world, kind):
 @pytest.mark.parametrize("config,expected", [
     # 2 decoder layers: one reduction per attention / MLP region (not one per q, k, v, gate, up
     # projection: that was 11 all-reduces), plus the LM head's input.
-    pytest.param(TP2, {"all_reduce": 5}, marks=pytest.mark.xfail(
-        _compat.torch_version() < (2, 11), strict=True,
-        reason="torch 2.9's DTensor adds 3 reduce-scatters (_reduce_scatter_base_) to this backward")),
+    (TP2, {"all_reduce": 5}),
     # Sequence parallel: each region's input gradient goes back to the sequence shards by one
     # reduce-scatter; the all-reduces are the replicated norm weights' gradients (2 x 2 + final).
     (TP2_SP, {"reduce_scatter_tensor": 5, "all_gather_into_tensor": 5, "all_reduce": 5}),
