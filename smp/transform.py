@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -9,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from smp import runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
 from smp.compile import apply_compile
-from smp.config import MoEConfig, SMPConfig
+from smp.config import ConfigError, MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
@@ -23,7 +25,7 @@ from smp.tensor_parallel import apply_tensor_parallel
 
 def transform(
     model: nn.Module, *, tp_plan: dict[str, str] | None = None, materialize: bool = True,
-    moe_config: MoEConfig | None = None,
+    moe_config: MoEConfig | None = None, weights: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Apply the configured parallelism to `model` in place and return it.
 
@@ -33,8 +35,23 @@ def transform(
     `tp_plan` (module-name pattern -> style) overrides the model's own tensor-parallel plan;
     `moe_config` (smp.expert_parallel.MoEConfig, SMP v2's `transform(model, config=MoEConfig(...))`)
     overrides the config's `moe:` section.
+    `weights` (a local Hugging Face safetensors folder) fills the transformed model from it: a
+    model built on the meta device is sharded without init and each rank reads only its shards
+    (`smp.checkpointing.load_hf`; docs/checkpoints.md).
     """
     st = runtime.current()
+    if weights is not None:
+        if st.dims.pp > 1:
+            raise ConfigError(
+                f"transform(weights=...) with pipeline_parallel_degree={st.dims.pp} is not supported yet: "
+                "build the model eagerly, or transform it and load each stage's weights yourself"
+            )
+        from smp.checkpointing.hf import load_hf
+
+        model = apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan,
+                                  materialize=False, moe_config=moe_config)
+        load_hf(weights, model, device=torch.device("cpu") if st.config.cpu_offload else st.device)
+        return model
     if st.dims.pp == 1:
         return apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan,
                                  materialize=materialize, moe_config=moe_config)

@@ -52,6 +52,14 @@ def test_meta_model_loads_pretrained_weights(ranks, family):
         assert r["error"] == "" and r["diff"] == 0.0, r
 
 
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_transform_with_weights_is_one_call(ranks, family):
+    """`smp.transform(meta_model, weights=folder)`: the same result as transform(materialize=False)
+    + load_hf, bitwise equal to from_pretrained + transform."""
+    for r in ranks(2).run(cases.meta_load, config={}, family=family, one_call=True, timeout=240):
+        assert r["error"] == "" and r["diff"] == 0.0 and r["buffers"], r
+
+
 def test_meta_model_buffers_left_empty_are_caught(ranks):
     """Negative control: non-persistent buffers left as to_empty memory (the rotary inv_freq of
     a meta Llama) are caught by the comparison."""

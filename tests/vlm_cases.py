@@ -198,7 +198,7 @@ def pretrained_round_trip(config: dict, family: str, convert: bool = True) -> di
 
 # --- 3. a meta model filled from a pretrained folder ------------------------------------------
 
-def meta_load(config: dict, family: str, compute_buffers: bool = True) -> dict:
+def meta_load(config: dict, family: str, compute_buffers: bool = True, one_call: bool = False) -> dict:
     """`family` built on the meta device, `smp.transform(model, materialize=False)`, then
     `load_hf` of a save_pretrained folder, vs `from_pretrained` of the same folder transformed:
     {"error", "diff" (every parameter and buffer, persistent or not), "buffers" (names of the
@@ -217,8 +217,11 @@ def meta_load(config: dict, family: str, compute_buffers: bool = True) -> dict:
             with torch.device("meta"):
                 model = build(family)
             try:
-                model = smp.transform(model, materialize=False)
-                smp.checkpointing.load_hf(os.path.join(root, "src"), model)
+                if one_call:  # the documented one call
+                    model = smp.transform(model, weights=os.path.join(root, "src"))
+                else:
+                    model = smp.transform(model, materialize=False)
+                    smp.checkpointing.load_hf(os.path.join(root, "src"), model)
             except smp.Error as e:
                 return {"error": f"{type(e).__name__}: {e}"}
             ref = {n: full_tensor(t.detach()) for n, t in (*reference.named_parameters(), *reference.named_buffers())}
