@@ -12,8 +12,8 @@ a Hugging Face folder that `LlavaForConditionalGeneration.from_pretrained` loads
     torchrun --standalone --nproc-per-node 2 examples/finetune_vlm.py --pretrained out/vlm/hf
 
 --pretrained loads a folder written by save_pretrained or export_hf straight into the sharded
-model: the model is built on the meta device, transformed without materialising, and each
-rank reads only its shards (smp.checkpointing.load_hf).
+model: the model is built on the meta device and `smp.transform(model, weights=folder)` shards
+it without init; each rank reads only its shards from the folder.
 """
 
 from __future__ import annotations
@@ -95,8 +95,7 @@ def main() -> None:
         if args.pretrained:  # meta model, sharded, then each rank reads its shards from the folder
             with torch.device("meta"):
                 model = tiny_llava()
-            model = smp.transform(model, materialize=False)
-            smp.checkpointing.load_hf(args.pretrained, model)
+            model = smp.transform(model, weights=args.pretrained)
         else:
             model = tiny_llava()
             if args.freeze_tower:
