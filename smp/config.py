@@ -490,6 +490,10 @@ def _format_error(err: dict[str, Any]) -> str:
     key = ".".join(str(p) for p in loc) if loc else "<config>"
     if err["type"] == "extra_forbidden":
         parent, name = loc[:-1], str(loc[-1])
+        for field_name, field in _submodel_at(parent).model_fields.items():
+            if field.alias and name in (field_name, field.alias):  # a known key: the other spelling came too
+                return (f"'{_clip(key)}' is given twice, as '{field_name}' and as its other spelling "
+                        f"'{field.alias}'; keep one")
         close = difflib.get_close_matches(name, _known_keys(_submodel_at(parent)), n=1, cutoff=0.5)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         return f"unknown key '{_clip(key)}'{hint}"

@@ -73,6 +73,8 @@ def test_round_trip():
     "config,expected",
     [
         ({"hybird_shard_degree": 2}, "unknown key 'hybird_shard_degree'; did you mean 'hybrid_shard_degree'"),
+        ({"activation_offloading": True, "sm_activation_offloading": True},
+         "'activation_offloading' is given twice, as 'activation_offloading' and as its other spelling 'sm_activation_offloading'"),
         ({"mixed_precision": {"parm_dtype": "bf16"}}, "unknown key 'mixed_precision.parm_dtype'; did you mean 'param_dtype'"),
         ({"tensor_parallel_degree": "2"}, "'tensor_parallel_degree'"),
         ({"tensor_parallel_degree": 0}, "'tensor_parallel_degree'"),

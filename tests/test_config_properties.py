@@ -42,7 +42,7 @@ VALID_VALUES: dict[str, st.SearchStrategy] = {
     "context_parallel_degree": st.just(1),
     "expert_parallel_degree": st.just(1),
     "pipeline_parallel_degree": st.just(1),  # its combinations: tests/test_pipeline_config.py
-    "sm_activation_offloading": st.booleans(),
+    "activation_offloading": st.booleans(),
     "activation_loading_horizon": small_pos,
     "activation_checkpointing": st.one_of(
         st.sampled_from(["none", "full", "selective"]),

@@ -17,7 +17,9 @@ from smp.reliability.finite import NonFiniteGradientError
 SMP_DIR = pathlib.Path(smp.__file__).parent
 # The modules that read smp's global state (smp.runtime) for the user; everything below them
 # takes plain values.
-RUNTIME_READERS = {"smp", "smp.transform", "smp.checkpointing", "smp.tensor_parallel", "smp.cli", "smp.sagemaker"}
+RUNTIME_READERS = {"smp", "smp.transform", "smp.checkpointing", "smp.tensor_parallel", "smp.cli", "smp.sagemaker",
+                   # `tsm.init` and `tsm.state`: smp.sagemaker's entry points, in modules of their own
+                   "smp.sagemaker._session", "smp.sagemaker._state_view"}
 
 
 def test_every_error_is_an_smp_error_and_its_builtin():

@@ -10,8 +10,8 @@ few styles a rule names by identity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Union
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -24,8 +24,21 @@ from smp.tensor_parallel.styles import (
     ReplicateParams, ReplicatedPartialGrad, ReplicateToSequence, ShardSequenceAtEntry, WholeSequence, is_conv1d,
 )
 
-if TYPE_CHECKING:
-    from smp.tensor_parallel.tp_plan import Assignment
+StyleSpec = Union[str, ParallelStyle]  # a style by its registered name, or a ParallelStyle object
+
+
+@dataclass
+class Assignment:
+    """One module's style, as the plan and the rules assign it (tp_plan.py, rules.py)."""
+
+    name: str
+    module: nn.Module
+    style: StyleSpec
+    is_head: bool = False
+    # Layers inside an MoE block run on its gathered plain input even under sequence parallel.
+    sequence_parallel: bool = True
+    param_styles: dict[str, str] = field(default_factory=dict)  # `moe_tp_experts`: per parameter
+    why: str = ""  # set on entries smp added itself, for `model._smp_tp_plan`
 
 
 @dataclass(frozen=True)

@@ -15,18 +15,16 @@ split regions, MoE blocks, the output head). What the plan implies beyond its en
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from smp import plans
 from smp._compat import model_tp_plan
 from smp.errors import ConfigError
 from smp.tensor_parallel import registry as reg
+from smp.tensor_parallel.registry import Assignment, StyleSpec
 from smp.tensor_parallel.styles import is_conv1d
 
-StyleSpec = Union[str, ParallelStyle]
 
 def _attention_mlp(layers: str, attention: str, out: str, up: str, down: str) -> dict[str, str]:
     """A transformer layer stack's plan: q/k/v split by heads, the attention output by rows,
@@ -77,18 +75,6 @@ SMP_TABLES: dict[str, dict[str, str]] = {
 HEAD_STYLE = reg.HEAD
 
 TPPlan = plans.Plan  # source, entries (pattern -> StyleSpec), strict
-
-
-@dataclass
-class Assignment:
-    name: str
-    module: nn.Module
-    style: StyleSpec
-    is_head: bool = False
-    # Layers inside an MoE block run on its gathered plain input even under sequence parallel.
-    sequence_parallel: bool = True
-    param_styles: dict[str, str] = field(default_factory=dict)  # `moe_tp_experts`: per parameter
-    why: str = ""  # set on entries smp added itself, for `model._smp_tp_plan`
 
 
 @dataclass
