@@ -20,6 +20,13 @@ from smp.context_parallel.attention import activate as activate_cp, active as ac
 from smp.reliability import guard
 from tests import session_state_cases as cases
 
+
+@pytest.fixture(autouse=True)
+def fresh_process_scope(monkeypatch):
+    """These tests check what the process scope holds: start each from an empty one, whatever
+    earlier in-process tests (a step_guard or a save outside any session) left in the real one."""
+    monkeypatch.setattr(scope, "_PROCESS", scope.Scope("process"))
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Imports every smp module in a fresh interpreter, after transformers' MoE modules and torch's
