@@ -22,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 
-VERSIONS=(${SMP_COMPAT_TORCH:-2.9.1 2.11.0 2.14.1})
+VERSIONS=(${SMP_COMPAT_TORCH:-2.11.0 2.14.1})
 CACHE=${SMP_COMPAT_CACHE:-$HOME/.cache/smp-compat}
 # Everything but torch at the pinned versions (requirements-ci.txt), so a difference in the run is
 # torch's. Keep this line equal in every copy: a venv whose marker holds another line is updated.
