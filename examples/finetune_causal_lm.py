@@ -283,6 +283,10 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     start_step = 0
+    earlier = None if args.resume else smp.checkpointing.latest(str(ckpt_root), run="any")
+    if earlier is not None:  # a save would refuse to replace that run's checkpoints: say so before training
+        raise SystemExit(f"error: {str(ckpt_root)!r} holds checkpoints of an earlier run (newest: {earlier}); "
+                         "pass --resume to continue it, or --output-dir to start a new run elsewhere")
     if args.resume:
         path = smp.checkpointing.latest(str(ckpt_root)) if args.resume == "latest" else args.resume
         if path is None:
