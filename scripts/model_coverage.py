@@ -49,11 +49,13 @@ COLUMNS = {
     "tp2-sp": "TP=2 + sequence parallel (world 2)",
     "ac-offload": "full checkpointing + offloading (world 2)",
     "tp2-fsdp2-sp": "TP=2 x FSDP 2 + sequence parallel (world 4)",
+    "pp2": "pipeline 2 stages, 1F1B, 4 micro-batches (world 2)",
 }
 # mode -> its column head in the table (the full title is in the legend under it)
 SHORT = {
     "fsdp": "FSDP", "hybrid": "hybrid 2x2", "delayed": "delayed init", "tp2": "TP 2", "peer": "peer TP 2",
     "tp2-sp": "TP 2 + SP", "ac-offload": "AC + offload", "tp2-fsdp2-sp": "TP2 x FSDP2 + SP",
+    "pp2": "PP 2",
 }
 # mode -> the mode whose exact cell it needs first: world 4 is costly on a small machine, and a
 # family not exact at TP=2 + SP on world 2 gains nothing from the larger world.

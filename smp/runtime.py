@@ -107,6 +107,17 @@ class _State:
         axis = self._axis("ep")
         return 1 if axis is None else axis.size()
 
+    # Pipeline parallel: which stage(s) this rank holds (the "pp" axis, outermost; SMP v1 named
+    # them smp.pp_rank() / smp.pp_size()). Ranks of one stage share pp_rank.
+    @cached_property
+    def pp_rank(self) -> int:
+        axis = self._axis("pp")
+        return 0 if axis is None else axis.get_local_rank()
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
 
 class _StateProxy:
     """`smp.state`: attribute access to the live state, with a clear error before `smp.init`."""

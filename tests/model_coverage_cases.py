@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 import smp
 from smp.testing.distributed import full_tensor, local_rows, world_mean
 from smp.testing.models import random_batch, tiny_gpt2, tiny_llama, tiny_llama_config
+from tests import model_coverage_pp_cases as pp_cases  # the pipeline column ("pp2")
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 8, 256
 TOL = 1e-5
@@ -55,6 +56,8 @@ MODES = {
     # transformers' own TP=2 (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))`):
     # the peer, for the side-by-side with smp's TP=2 column
     "peer": dict(),
+    # pipeline 2 stages, 1F1B, 4 micro-batches (world 2): tests/model_coverage_pp_cases.py
+    "pp2": dict(config=pp_cases.PP2),
 }
 WORLD = {"tp2-fsdp2-sp": 4, "hybrid": 4}  # the world size of a mode, when not 2
 
@@ -352,7 +355,7 @@ def peer_tp2(family: str, corrupt_shard: bool = False) -> dict:
 
 
 # mode -> its case function, where it is not `classify`
-CASE_FUNCTIONS = {"peer": peer_tp2}
+CASE_FUNCTIONS = {"peer": peer_tp2, "pp2": pp_cases.classify}
 
 
 # --- activation checkpointing: nested configs ----------------------------------------------

@@ -45,7 +45,8 @@ def _check(ranks, family: str, reason: str | None, mode: str) -> None:
     if mode == "peer":
         return _check_covers_peer(ranks, family)
     world = cases.WORLD.get(mode, 2)
-    for result in ranks(world).run(cases.classify, family=family, timeout=240, **cases.MODES[mode]):
+    case = cases.CASE_FUNCTIONS.get(mode, cases.classify)  # pp2: tests/model_coverage_pp_cases.py
+    for result in ranks(world).run(case, family=family, timeout=240, **cases.MODES[mode]):
         assert result["status"] in ("exact", "refused"), f"{family} under {mode}: {result}"
         if result["status"] == "refused":
             assert len(result["detail"]) > 20, result  # the error names its reason

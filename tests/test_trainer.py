@@ -204,6 +204,24 @@ def test_conflicting_settings_are_refused(tmp_path, monkeypatch):
     assert not smp.is_initialized()  # nothing started: every refusal came first
 
 
+def test_pipeline_parallel_is_refused_at_construction(tmp_path):
+    """The Trainer runs the whole model's forward per rank; a pipelined model cannot: refused in
+    the constructor (before smp.init), naming the key, the reason and the alternative."""
+    from smp.integrations import SMPTrainer, smp_trainer_class
+
+    data = trainer_cases.TokenRows()
+    from transformers import Trainer
+
+    for cls in (SMPTrainer, smp_trainer_class(Trainer)):
+        with pytest.raises(ConfigError) as info:
+            cls(model=trainer_cases.build_model(), args=trainer_cases.training_args(str(tmp_path), 1),
+                train_dataset=data, smp_config={"pipeline_parallel_degree": 2})
+        message = str(info.value)
+        assert "pipeline_parallel_degree=2" in message and "smp.pipeline.step" in message, message
+        assert "examples/finetune_causal_lm.py" in message, message
+    assert not smp.is_initialized()
+
+
 def test_shadowed_save_checkpoint_steps(caplog):
     """smp's _save_checkpoint sits in front of a subclass's: TRL's one extra step (the model card)
     is taken by smp (test_sft_trainer_matches_single_process checks the file); any other

@@ -17,6 +17,22 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
 
 
+def check_no_pipeline(cfg: SMPConfig) -> None:
+    """Refuse pipeline parallelism under the Trainer. Its training step runs the whole model's
+    forward on every rank (compute_loss, then backward on the loss) and its evaluation calls the
+    model; a pipelined model holds one stage per rank and trains only through
+    smp.pipeline.step, which runs forward and backward of every micro-batch at once."""
+    if cfg.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            f"SMPTrainer does not support pipeline_parallel_degree={cfg.pipeline_parallel_degree}: the "
+            "Trainer runs the whole model's forward on every rank (compute_loss, prediction_step), while a "
+            "pipelined model holds one stage per rank and trains only through smp.pipeline.step(model, "
+            "input_ids, labels). Set pipeline_parallel_degree: 1 (FSDP / tensor parallel work with the "
+            "Trainer), or train with pipeline parallelism in a plain loop such as "
+            "examples/finetune_causal_lm.py (docs/pipeline-parallel.md)"
+        )
+
+
 def check_training_arguments(args: Any, cfg: SMPConfig, *, is_peft: bool, has_model_init: bool) -> None:
     """Raise ConfigError for TrainingArguments (or launcher settings) that smp replaces.
 

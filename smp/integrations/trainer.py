@@ -39,7 +39,7 @@ import smp
 from smp._compat import check_trainer_overrides, mark_prepared, trainer_batch_size
 from smp.checkpointing import rng
 from smp.config import ConfigSource, SMPConfig, load_config
-from smp.integrations.checks import check_training_arguments
+from smp.integrations.checks import check_no_pipeline, check_training_arguments
 from smp.integrations.data import gather_for_metrics_by_dp, prepare_data_loader_by_dp
 from smp.integrations.mapping import map_training_arguments
 from smp.integrations.peft import is_peft_model, save_adapter
@@ -82,6 +82,7 @@ class SMPTrainerMixin:
     def __init__(self, *args: Any, smp_config: ConfigSource = None, **kwargs: Any):
         check_trainer_overrides()  # the Trainer methods overridden below still exist
         self._smp_config = _resolve_config(smp_config)
+        check_no_pipeline(self._smp_config)  # before anything else: the reason and the alternative
         # Mapped or refused before any collective: the Trainer's own setup may run some (dataset
         # preparation under main_process_first, accelerate's state).
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
