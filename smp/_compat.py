@@ -625,3 +625,11 @@ def checkpoint_wrapper_module() -> Any:
     import torch.distributed.algorithms._checkpoint.checkpoint_wrapper as module
 
     return module
+
+
+def sharded_tensor_type() -> type:
+    """FSDP1's `ShardedTensor` (`torch.distributed._shard.sharded_tensor`; no public home in torch
+    2.13), which torch's `load_sharded_optimizer_state_dict` still returns for an FSDP2 model."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return ShardedTensor

@@ -261,3 +261,37 @@ def core_save_paths(*, root: str) -> str:
         except smp.Error as e:
             return str(e)
         return "saved"
+
+
+def coordinator_global_rank(*, root: str) -> dict:
+    """torch's deprecated save_state_dict with SMP v2's coordinator_rank (the group's lowest global
+    rank) for a group that does not start at rank 0: saved during a tsm session; after shutdown
+    torch 2.13 reads the number as a rank inside the group (the negative control)."""
+    import warnings
+
+    from torch.distributed import checkpoint
+
+    import smp.sagemaker as tsm
+
+    rank = dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates every group
+
+    def save(tag: str) -> str:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch: save_state_dict is deprecated
+            try:
+                checkpoint.save_state_dict(
+                    state_dict={"x": torch.full((2,), float(rank))},
+                    storage_writer=checkpoint.FileSystemWriter(os.path.join(root, f"{tag}{rank}")),
+                    process_group=groups[rank], coordinator_rank=rank)
+                return "saved"
+            except ValueError as e:
+                return str(e)
+
+    tsm.init({"sm_activation_offloading": False})
+    try:
+        out = {"session": save("session")}
+    finally:
+        smp.shutdown()
+    out["torch"] = save("torch")
+    return out

@@ -297,17 +297,29 @@ def test_fsdp1_patch_lives_with_the_session(clean_env):
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    import torch.distributed.checkpoint as dcp
+
     torch_methods = {n: FSDP.__dict__[n] for n in ("__init__", "state_dict_type", "optim_state_dict")}
+    torch_dcp = {n: getattr(dcp, n) for n in ("save_state_dict", "load_state_dict")}
     tsm.init({"sm_activation_offloading": False})
     try:
         assert all(FSDP.__dict__[n] is not m for n, m in torch_methods.items())
+        assert all(getattr(dcp, n) is not f for n, f in torch_dcp.items())
     finally:
         smp.shutdown()
     assert all(FSDP.__dict__[n] is m for n, m in torch_methods.items())
+    assert all(getattr(dcp, n) is f for n, f in torch_dcp.items())
     code = ("import smp, smp.sagemaker; from torch.distributed.fsdp import FullyShardedDataParallel as F; "
             "print(F.__init__.__module__, F.__dict__['optim_state_dict'].__func__.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["torch.distributed.fsdp.fully_sharded_data_parallel"] * 2
+
+
+def test_coordinator_rank_is_read_as_smp_v2_scripts_pass_it(ranks, tmp_path):
+    first, second = ranks(2).run(cases.coordinator_global_rank, root=str(tmp_path))
+    assert first == {"session": "saved", "torch": "saved"}  # rank 0: both readings agree
+    assert second["session"] == "saved" and "Group rank 1 is not part of group" in second["torch"], second
+    assert (tmp_path / "session1" / ".metadata").exists()
 
 
 def test_ranks_with_different_save_paths_are_refused_on_every_rank(ranks, tmp_path):

@@ -1,10 +1,14 @@
 """An SMP v2-style script (tests/smp_v2_script/train.py: every SMP v2 pattern of AWS's example,
 ported by its first import line) trains at world 2 like at world 1: per-step losses within 1e-5
 under hybrid sharding, TP 2, context parallel 2 on the script's own batch cut, and activation
-offloading in SMP v2's terms (bytes really offloaded); the async sharded checkpoint it saves at
-step 10 into per-TP-rank folders resumes to the uninterrupted losses; its final FULL_STATE_DICT
-save loads with from_pretrained. Negative controls: tests/test_sagemaker.py (cp with smp's
-position handling off; ranks with different save paths)."""
+offloading in SMP v2's terms (bytes really offloaded); the sharded checkpoint it saves at step 10
+into per-TP-rank folders (torch's save_state_dict with the group's lowest global rank as
+coordinator_rank, or async_save through an AsyncCallsQueue) resumes to the uninterrupted losses,
+the optimizer loaded by torch's load_sharded_optimizer_state_dict + FSDP.optim_state_dict_to_load
+(refused on every rank under TP, where that loader would read parts of the state from no folder;
+loaded with the model there); its final FULL_STATE_DICT save loads with from_pretrained.
+Negative controls: tests/test_sagemaker.py (cp with smp's position handling off; ranks with
+different save paths) and the TP refusal here."""
 
 from __future__ import annotations
 
@@ -21,11 +25,12 @@ TOL = 1e-5
 # .item() in its forward) and says so; the runtime check then watches the first forward.
 pytestmark = [pytest.mark.filterwarnings("ignore::smp.sagemaker.SMPv2DifferenceWarning"),
               pytest.mark.filterwarnings("ignore:context parallel. smp could not check:smp.errors.SMPWarning")]
+# config, checkpoint type, optimizer loader at resume
 CONFIGS = {
-    "hsdp": {"hybrid_shard_degree": 2},
-    "tp2": {"tensor_parallel_degree": 2},
-    "cp2": {"context_parallel_degree": 2},
-    "offload": {"sm_activation_offloading": True, "activation_loading_horizon": 2},
+    "hsdp": ({"hybrid_shard_degree": 2}, "sharded", "sharded_optimizer"),
+    "tp2": ({"tensor_parallel_degree": 2}, "sharded", "with_model"),
+    "cp2": ({"context_parallel_degree": 2}, "async_sharded", "sharded_optimizer"),
+    "offload": ({"sm_activation_offloading": True, "activation_loading_horizon": 2}, "async_sharded", "with_model"),
 }
 
 
@@ -36,18 +41,23 @@ def world1(ranks):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_script_at_world_2_trains_like_world_1_and_resumes(ranks, world1, tmp_path, name):
-    config = json.dumps(CONFIGS[name])
+    mp, checkpoint_type, loader = CONFIGS[name]
+    config = json.dumps(mp)
     ckpt, model_dir = tmp_path / "ckpt", tmp_path / "model"
-    full = ranks(2).run(cases.run, mp_parameters=config,
-                        argv=["--checkpoint_dir", str(ckpt), "--model_dir", str(model_dir)])
+    full = ranks(2).run(cases.run, mp_parameters=config, argv=[
+        "--checkpoint_dir", str(ckpt), "--model_dir", str(model_dir), "--checkpoint_type", checkpoint_type])
     for r in full:
         assert len(r["losses"]) == len(world1) == 12
         assert max(abs(a - b) for a, b in zip(r["losses"], world1)) <= TOL, (r["losses"], world1)
-    if "sm_activation_offloading" in CONFIGS[name]:
+    if "sm_activation_offloading" in mp:
         assert all(r["offloaded_bytes"] > 0 for r in full), full
     # the step-10 checkpoint (rotation kept 1) resumes to the uninterrupted losses
     assert sorted(p.name for p in ckpt.iterdir()) == ["llama-10steps"]
-    resumed = ranks(2).run(cases.run, mp_parameters=config, argv=["--resume_from_checkpoint", str(ckpt / "llama-10steps")])
+    resume = ["--resume_from_checkpoint", str(ckpt / "llama-10steps"), "--checkpoint_type", checkpoint_type]
+    if loader == "with_model" and name == "tp2":  # SMP v2's optimizer loader is refused on every rank under TP
+        for message in ranks(2).run(cases.refusal, mp_parameters=config, argv=resume):
+            assert "load_sharded_optimizer_state_dict" in message and "tensor_parallel_degree 2" in message, message
+    resumed = ranks(2).run(cases.run, mp_parameters=config, argv=[*resume, "--optimizer_loader", loader])
     for f, r in zip(full, resumed):
         assert max(abs(a - b) for a, b in zip(r["losses"], f["losses"][10:])) <= TOL, (f, r)
     # the final full save is a Hugging Face folder

@@ -13,6 +13,7 @@ from smp.errors import SMPWarning
 from smp.mesh import ParallelDims
 from smp.runtime import register_shutdown_hook
 from smp.sagemaker._guide import section
+from smp.sagemaker.dcp_coordinator import CoordinatorPatch
 from smp.sagemaker.fsdp1 import Fsdp1Patch
 
 
@@ -35,21 +36,22 @@ def init(config: ConfigSource = None) -> None:
 
 
 # What smp.sagemaker.init adds to the session, undone at its shutdown.
-_PATCH: Fsdp1Patch | None = None
+_PATCH: tuple[Fsdp1Patch, CoordinatorPatch] | None = None
 
 
 def _open_session() -> None:
     global _PATCH
     if _PATCH is None:
-        _PATCH = Fsdp1Patch()
+        _PATCH = (Fsdp1Patch(), CoordinatorPatch())
     register_shutdown_hook(_close_session)
 
 
 def _close_session() -> None:
-    """Shutdown hook: FSDP1 gets torch's own methods back."""
+    """Shutdown hook: FSDP1 and DCP's deprecated functions get torch's own back."""
     global _PATCH
     if _PATCH is not None:
-        _PATCH.remove()
+        for patch in _PATCH:
+            patch.remove()
         _PATCH = None
 
 

@@ -26,6 +26,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, StateDictType
 
-from smp._compat import checkpoint_wrapper_module
+from smp._compat import checkpoint_wrapper_module, sharded_tensor_type
 from smp.sagemaker._guide import MigrationError, not_supported, section
 
 _VIEW = "_smp_fsdp1_view"  # the attribute transform sets on the models this module answers for
@@ -125,8 +126,80 @@ def _optim_state_dict_to_load(original: Any, model: nn.Module, optim: Any, optim
     view = _view(model)
     if view is None:
         return original(model, optim, optim_state_dict, is_named_optimizer, load_directly, group)
-    set_optimizer_state_dict(model, optim, optim_state_dict, options=_options(view))
+    options = _options(view)
+    if _holds_sharded_tensors(optim_state_dict):
+        optim_state_dict = _whole_from_sharded_tensors(optim_state_dict)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=view.offload_to_cpu)
+    set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
     return optim.state_dict()
+
+
+def _holds_sharded_tensors(osd: Any) -> bool:
+    sharded = sharded_tensor_type()
+    state = osd.get("state", {}) if isinstance(osd, dict) else {}
+    return any(isinstance(v, sharded) for per_param in state.values() if isinstance(per_param, dict)
+               for v in per_param.values())
+
+
+def _whole_from_sharded_tensors(osd: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state of torch's `load_sharded_optimizer_state_dict` (FSDP1's
+    ShardedTensors, each cut in row chunks over all ranks, every rank reading its chunk from its
+    own checkpoint folder) as whole tensors on every rank (collective: every rank calls it).
+
+    Exact when every rank's folder holds every tensor whole: a checkpoint saved by the data-
+    parallel ranks of one replica. Under tensor or expert parallelism SMP v2 scripts save one
+    folder per TP / EP rank holding only that rank's slices, so the chunk a rank reads from its
+    folder lacks the other slices: refused, naming the load that works."""
+    import smp
+
+    st = smp.state
+    if st.tp_size > 1 or st.ep_size > 1:
+        raise MigrationError(
+            "FSDP.optim_state_dict_to_load(model, optimizer, osd) with the ShardedTensors of "
+            "torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict under "
+            f"tensor_parallel_degree {st.tp_size} / expert_parallel_degree {st.ep_size}: that "
+            "loader cuts each tensor in row chunks over all ranks and reads each rank's chunk "
+            "from its own per-TP/EP-rank folder, which holds only that rank's slice, so parts of "
+            "the state would be read by no rank. Load the optimizer with the model instead: "
+            "state = {'optimizer': FSDP.optim_state_dict(model, optimizer), ...}; "
+            "state_dict_loader.load(state, ...) (or torch.distributed.checkpoint.load); "
+            "FSDP.optim_state_dict_to_load(model, optimizer, state['optimizer']) "
+            f"(see {section('checkpoints')})"
+        )
+    sharded = sharded_tensor_type()
+    whole_state: dict[str, Any] = {}
+    for name in sorted(osd["state"]):  # the same order on every rank: one all_reduce per tensor
+        whole_state[name] = {}
+        for key in sorted(osd["state"][name]):
+            value = osd["state"][name][key]
+            if isinstance(value, sharded):
+                value = _whole(value, st.device)
+            whole_state[name][key] = value
+    return {**osd, "state": whole_state}
+
+
+def _whole(t: Any, device: torch.device) -> torch.Tensor:
+    """A ShardedTensor's whole tensor: each rank writes its chunks into zeros, a sum over all
+    ranks fills the rest (the chunks do not overlap, and x + 0 is x: exact)."""
+    meta = t.metadata()
+    whole = torch.zeros(meta.size, dtype=meta.tensor_properties.dtype, device=device)
+    covered = 0
+    for shard in t.local_shards():
+        region = whole
+        for dim, (offset, size) in enumerate(zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes)):
+            region = region.narrow(dim, offset, size)
+        region.copy_(shard.tensor)
+        covered += region.numel()
+    counts = torch.tensor([covered], dtype=torch.int64, device=device)
+    dist.all_reduce(whole)
+    dist.all_reduce(counts)
+    if int(counts) != whole.numel():  # the chunks tile the tensor exactly once
+        raise MigrationError(
+            f"a ShardedTensor of shape {tuple(meta.size)} from load_sharded_optimizer_state_dict covers "
+            f"{int(counts)} of its {whole.numel()} elements over the ranks: call "
+            f"FSDP.optim_state_dict_to_load on every rank (see {section('checkpoints')})"
+        )
+    return whole
 
 
 def _offload_wrapper(original: Any, module: nn.Module) -> nn.Module:

@@ -3,9 +3,13 @@ example script (written anew for smp's tests, not copied): the config from
 $SM_HP_MP_PARAMETERS, `tsm.state` names and SMP v2's data-parallel rank arithmetic, a meta
 model with `DelayedParamIniter`, the script's own context-parallel batch cut, `offload_wrapper`
 when `tsm.state.sm_activation_offloading`, `FSDP.state_dict_type` + `FSDP.optim_state_dict`
-sharded state dicts, async saves into per-TP-rank folders with `process_group=model.process_group`
-through an `AsyncCallsQueue`, checkpoint rotation with `torch.sagemaker.checkpoint.utils`,
-loading with `state_dict_loader.load` + `FSDP.optim_state_dict_to_load`, and a final
+sharded state dicts saved into per-TP-rank folders with `process_group=model.process_group` and
+`coordinator_rank` = the group's lowest global rank, either by torch's deprecated
+`save_state_dict` (the `sharded` type) or by `async_save` through an `AsyncCallsQueue` (the
+`async_sharded` type), checkpoint rotation with `torch.sagemaker.checkpoint.utils`, loading the
+model with the matching loader and the optimizer with torch's
+`load_sharded_optimizer_state_dict` + `FSDP.optim_state_dict_to_load` (or, under tensor
+parallelism, where smp refuses that loader, together with the model), and a final
 `FULL_STATE_DICT` save that `from_pretrained` loads.
 
 The one line that makes it an smp script is the first import (torch.sagemaker -> smp.sagemaker).
@@ -24,6 +28,8 @@ import torch.distributed as dist
 import torch.sagemaker as tsm
 import torch.sagemaker.checkpoint.utils as tsm_checkpoint
 from accelerate import init_empty_weights
+from torch.distributed import checkpoint
+from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 from torch.distributed.fsdp.api import FullStateDictConfig
@@ -49,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint_freq", type=int, default=10)
     p.add_argument("--num_kept_checkpoints", type=int, default=1)
     p.add_argument("--resume_from_checkpoint", default=None)
+    p.add_argument("--checkpoint_type", default="sharded", choices=["sharded", "async_sharded"])
+    p.add_argument("--optimizer_loader", default="sharded_optimizer", choices=["sharded_optimizer", "with_model"],
+                   help="sharded_optimizer: torch's load_sharded_optimizer_state_dict (SMP v2 scripts); "
+                        "with_model: in the model's load (what smp asks for under TP)")
     p.add_argument("--model_dir", default=None)
     return p.parse_args(argv)
 
@@ -99,14 +109,25 @@ def train(args) -> dict:
         tp = tsm.state.tensor_parallel_degree
         return os.path.join(root, f"tp{tp}-{tsm.state.tp_rank}") if tp > 1 else root
 
+    sharded = args.checkpoint_type == "sharded"
     start = 0
     if args.resume_from_checkpoint:
+        resume_dir = folder(args.resume_from_checkpoint)
+        reader = checkpoint.FileSystemReader if sharded else DistributedFileSystemReader
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            state = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optimizer), "total_steps": 0}
-            load(state, storage_reader=DistributedFileSystemReader(folder(args.resume_from_checkpoint)),
-                 process_group=process_group, coordinator_rank=coordinator)
+            state = {"model": model.state_dict(), "total_steps": 0}
+            if args.optimizer_loader == "with_model":
+                state["optimizer"] = FSDP.optim_state_dict(model, optimizer)
+            (checkpoint.load_state_dict if sharded else load)(
+                state_dict=state, storage_reader=reader(resume_dir), process_group=process_group,
+                coordinator_rank=coordinator)
             model.load_state_dict(state["model"])
-            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state["optimizer"]))
+            if args.optimizer_loader == "sharded_optimizer":
+                state["optimizer"] = load_sharded_optimizer_state_dict(
+                    model_state_dict=state["model"], optimizer_key="optimizer",
+                    storage_reader=reader(resume_dir))["optimizer"]
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
+                model=model, optim=optimizer, optim_state_dict=state["optimizer"]))
         start = state["total_steps"]
 
     losses, offloaded = [], 0
@@ -131,7 +152,11 @@ def train(args) -> dict:
             with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
                 state = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optimizer),
                          "total_steps": step + 1}
-            if action_rank:
+            if action_rank and sharded:
+                checkpoint.save_state_dict(state_dict=state, storage_writer=checkpoint.FileSystemWriter(save_dir),
+                                           planner=checkpoint.DefaultSavePlanner(), process_group=process_group,
+                                           coordinator_rank=coordinator)
+            elif action_rank:
                 async_save(state, checkpoint_id=save_dir, process_group=process_group,
                            coordinator_rank=coordinator, queue=queue)
             queue.maybe_finalize_async_calls(blocking=True, process_group=process_group)
