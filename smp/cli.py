@@ -152,7 +152,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         # The real recipe on meta under a fake world: errors that only transform finds show here.
         from smp.planning import plan
 
-        plan(cfg, args.model, args.world_size, seq_len=16, micro_batch=1)
+        rows = cfg.pipeline.microbatches or dims.pp * cfg.pipeline.local_stages() if dims.pp > 1 else 1
+        plan(cfg, args.model, args.world_size, seq_len=16, micro_batch=rows)
         print(f"smp.transform on {args.model!r} at world size {args.world_size}: ok")
     return 0
 
@@ -275,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "model folder with config.json, or a config.json file")
     plan.add_argument("--world-size", "-w", type=_world_size, required=True)
     plan.add_argument("--seq-len", type=_positive_int, default=2048)
-    plan.add_argument("--batch", type=_positive_int, default=1, help="sequences per data-parallel rank per micro-step")
+    plan.add_argument("--batch", type=_positive_int, default=1, help="sequences per data-parallel rank per micro-step "
+                      "(under pipeline_parallel_degree: per smp.pipeline.step, split into pipeline.microbatches)")
     plan.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-steps per optimizer step")
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd or sgd-momentum")
     plan.add_argument("--rank", type=_non_negative_int, default=0, help="which rank to plan for")

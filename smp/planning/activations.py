@@ -6,7 +6,7 @@ tensor parallel."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -51,9 +51,10 @@ def _fused_attention() -> Iterator[None]:
 
 
 def saved_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, blocks: list[nn.Module],
-                           compute_bytes: int | None) -> tuple[int, list[int]]:
+                           compute_bytes: int | None, run: Callable[[], Any] | None = None) -> tuple[int, list[int]]:
     """(bytes autograd saves outside the blocks, bytes saved inside each block) for one
-    forward of the (meta) model; parameters and their views are not activations."""
+    forward of the (meta) model; parameters and their views are not activations. `run` replaces
+    the causal LM's forward with labels (a pipeline stage's forward and loss)."""
     param_ids = {id(p) for p in model.parameters()}
     block_index: list[int | None] = [None]
     per_block = [0] * len(blocks)
@@ -95,7 +96,7 @@ def saved_activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, blo
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention(), shape_only_grouped_mm():
             # use_cache=True: without a cache transformers inspects position ids for packed
             # sequences with a data-dependent branch, which meta tensors cannot take.
-            out = model(input_ids=ids, labels=ids, use_cache=True)
+            out = run() if run is not None else model(input_ids=ids, labels=ids, use_cache=True)
         del out
     finally:
         for h in handles:

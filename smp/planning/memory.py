@@ -68,18 +68,21 @@ def optimizer_state_bytes(optimizer: str, sharded: dict[str, int]) -> int:
     return state
 
 
-def transient_bytes(model: nn.Module, param_bytes: int, grad_bytes: int) -> int:
+def transient_bytes(model: nn.Module, param_bytes: int, grad_bytes: int, *, all_gathered: bool = False) -> int:
     """Gathered parameters and unsharded gradients alive at once during a step, per rank.
 
     The root stays gathered for the whole step (reshard_after_forward=False, sharding/fsdp.py);
     two blocks are gathered at once (the one computing and the one prefetched); one unit's
-    unsharded gradient waits for its reduce-scatter.
+    unsharded gradient waits for its reduce-scatter. `all_gathered`: every unit stays gathered
+    through the step (reshard_after_forward=False for the blocks too, smp's default under pp).
     """
-    root = block = 0  # unsharded (padded) elements of the root unit and of the largest block
+    root = block = total = 0  # unsharded (padded) elements of the root unit, the largest block, all units
     for module, params in fsdp_units(model):
         elems = sum(fsdp_sharded_data(fp).numel() for fp in params) * params[0].mesh_info.shard_mesh_size
+        total += elems
         if module is model:
             root = elems
         else:
             block = max(block, elems)
-    return (root + 2 * block) * param_bytes + max(root, block) * grad_bytes
+    gathered = total if all_gathered else root + 2 * block
+    return gathered * param_bytes + max(root, block) * grad_bytes

@@ -44,6 +44,7 @@ class ParallelismPlan:
     transient_bytes: int  # gathered parameters of the largest units + their unsharded gradients
     host_bytes: int  # what offloading keeps in host memory instead
     comm_bytes: dict[str, int] = field(default_factory=dict)  # per rank per optimizer step
+    pipeline: dict[str, Any] = field(default_factory=dict)  # pipeline_parallel_degree > 1: `_plan_pipeline`; {} without
     experts: dict[str, int] = field(default_factory=dict)  # MoE models: `experts.expert_account`; {} if dense
     flops_per_token: float = 0.0
     total_params: int = 0
@@ -82,6 +83,23 @@ class ParallelismPlan:
                 f"(1/{e['expert_parallel_degree']}), {e['params_this_rank']:,} on this rank (FSDP over {e['fsdp_shard_size']})",
                 f"  expert param bytes {g(e['param_bytes_this_rank'])}  (part of parameters above)",
             ]
+        if self.pipeline:
+            pl = self.pipeline
+            lines += [
+                f"pipeline: {pl['schedule']}, pp {pl['pp']}, {pl['microbatches']} micro-batches of {pl['microbatch_rows']} "
+                f"row(s), {pl['num_stages']} stages; this rank (pp rank {pl['pp_rank']}) holds stage(s) "
+                f"{', '.join(str(s['index']) for s in pl['stages'])}",
+            ]
+            for s in pl["stages"]:
+                lines.append(f"  stage {s['index']} ({s['layers']}): {s['params']:,} parameters, activations "
+                             f"{g(s['activation_bytes_per_microbatch']).strip()} per micro-batch x at most "
+                             f"{s['microbatches_held']} held")
+            formula = "" if pl["bubble_formula"] is None else f"; formula {pl['bubble_formula']:.3f}"
+            lines.append(f"  bubble: {pl['bubble']:.3f} of the step on this rank (schedule order, "
+                         f"T_F = T_I = T_W){formula}: {pl['bubble_formula_source']}")
+            lines.append(f"  point-to-point per step: sends {g(pl['p2p_send_bytes']).strip()}, receives "
+                         f"{g(pl['p2p_recv_bytes']).strip()} ({pl['p2p_boundary_bytes']:,} B per micro-batch "
+                         f"per boundary and direction)")
         lines.append("communication per rank per step:")
         for key, value in self.comm_bytes.items():
             lines.append(f"  {key:<18} {g(value)}")
@@ -110,16 +128,14 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
     if micro_batch < 1 or seq_len < 1:
         raise ConfigError("--batch and --seq-len must be at least 1")
     dims = ParallelDims.from_config(cfg, world_size)  # degree errors before anything is built
-    if dims.pp > 1:  # its figures would be the whole model's on every rank: refuse, never mislead
-        raise ConfigError(
-            f"smp plan does not model pipeline_parallel_degree={dims.pp} yet (memory per stage, bubble, "
-            f"point-to-point bytes); plan the config with pipeline_parallel_degree: 1 and divide the "
-            f"layers' share by hand (docs/pipeline-parallel.md)"
-        )
     # A copy: transform may edit the model's config (activation checkpointing turns off use_cache).
     model_cfg = resolve_model_config(model) if isinstance(model, str) else copy.deepcopy(model)
     p_bytes = dtype_bytes(cfg.mixed_precision.param_dtype, torch.float32)
     g_bytes = dtype_bytes(cfg.mixed_precision.reduce_dtype, torch.float32)
+    if dims.pp > 1:
+        return _plan_pipeline(cfg, dims, model_cfg, world_size, rank=rank, seq_len=seq_len, micro_batch=micro_batch,
+                              optimizer=optimizer, grad_accum=grad_accum, p_bytes=p_bytes, g_bytes=g_bytes,
+                              start=start)
 
     # A scope of its own: the recipe's session objects (the context-parallel setup over the fake
     # world's group) go with the fake world, and an open session's are left as they were.
@@ -173,3 +189,116 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         flops_per_token=flops.per_token(seq_len), total_params=total_params,
         seconds=time.perf_counter() - start, notes=notes,
     )
+
+
+def _plan_pipeline(cfg: Any, dims: ParallelDims, model_cfg: Any, world_size: int, *, rank: int, seq_len: int,
+                   micro_batch: int, optimizer: str, grad_accum: int, p_bytes: int, g_bytes: int,
+                   start: float) -> ParallelismPlan:
+    """The plan under pipeline_parallel_degree > 1: this rank's stages, split and transformed as
+    `smp.transform` does it (on meta, over the fake world), the activations the schedule holds
+    and the point-to-point bytes it sends (planning/pipeline.py)."""
+    from smp.config import SPLIT_BACKWARD_SCHEDULES, check_pipeline
+    from smp.metrics import model_flops
+    from smp.planning.pipeline import plan_stages
+    from smp.transform import apply_parallelism
+
+    try:
+        check_pipeline(cfg.pipeline, dims.pp, batch_size=micro_batch)
+    except ValueError as e:
+        raise ConfigError(f"{e} (--batch is the rows one smp.pipeline.step takes per data-parallel rank)") from None
+    if "reshard_after_forward" not in cfg.model_fields_set:  # what transform does under pp
+        cfg = cfg.model_copy(update={"reshard_after_forward": False})
+    microbatches = cfg.pipeline.microbatches or dims.pp * cfg.pipeline.local_stages()
+    rows = micro_batch // microbatches
+    hidden = getattr(model_cfg, "hidden_size", 0)
+    compute = p_bytes if cfg.mixed_precision.param_dtype else None
+    with fake_world(world_size, rank), scope.isolated("smp plan"):
+        mesh, _ = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            meta_model = build_causal_lm(model_cfg)
+        flops = model_flops(meta_model)
+        total_params = sum(p.numel() for p in meta_model.parameters())
+        pp_group = mesh["pp"].get_group()
+        pp_rank = mesh["pp"].get_local_rank()
+
+        def recipe(stage: Any) -> Any:
+            return apply_parallelism(stage, cfg, dims, mesh, torch.device("cpu"), materialize=False)
+
+        fig = plan_stages(meta_model, cfg, pp_group, pp_rank, rows=rows, seq_len=seq_len, hidden=hidden,
+                          compute_bytes=compute, recipe=recipe)
+        pipelined = fig["pipelined"]
+        params = grads = opt = transient = 0
+        comm: dict[str, int] = {}
+        for stage in pipelined.stages:
+            sizes = _stage_sizes(stage)
+            params += sizes["padded"]
+            grads += sizes["padded"]
+            opt += optimizer_state_bytes(optimizer, sizes)
+            transient += transient_bytes(stage, p_bytes, g_bytes, all_gathered=cfg.reshard_after_forward is False)
+            # FSDP inside a stage: one all-gather per unit per step (reshard_after_forward false),
+            # one reduce-scatter (PipelineStage skips it for every micro-batch but the last).
+            for key, value in comm_bytes_per_step(stage, cfg, dims, grad_accum=grad_accum).items():
+                comm[key] = comm.get(key, 0) + value
+
+    notes: list[str] = []
+    act_by_stage: dict[int, int] = {}
+    for index, counted in fig["per_mb"].items():
+        act, _, stage_notes = activation_bytes(cfg, counted["outside"], counted["per_block"],
+                                               rows * seq_len * hidden * (compute or 4), dims.tp)
+        act_by_stage[index] = act
+        notes += [n for n in stage_notes if n not in notes]
+    from smp.planning.pipeline import held_activation_peak
+
+    peak, most = held_activation_peak(fig["order"][pp_rank], act_by_stage)
+    sim = fig["simulated"]
+    formula, source = fig["formula"]
+    p2p = fig["p2p"][pp_rank]
+    comm.pop("total", None)
+    comm["pipeline_p2p_send"] = grad_accum * p2p["send"]
+    comm["total"] = sum(comm.values())
+    stages = [
+        {"index": info.index, "layers": info.describe().split(": ", 1)[1].split(";")[0], "params": info.params,
+         "flops_per_token": info.flops_per_token, "activation_bytes_per_microbatch": act_by_stage[info.index],
+         "microbatches_held": most.get(info.index, 0)}
+        for info in pipelined.stage_infos
+    ]
+    pipeline = {
+        "schedule": cfg.pipeline.schedule, "pp": dims.pp, "pp_rank": pp_rank, "microbatches": fig["microbatches"],
+        "microbatch_rows": rows, "num_stages": fig["num_stages"], "stages": stages,
+        "split": [s.describe() for s in pipelined.split],
+        "bubble": sim["bubble"][pp_rank], "bubble_per_rank": [sim["bubble"][r] for r in sorted(sim["bubble"])],
+        "bubble_formula": formula, "bubble_formula_source": source,
+        "p2p_send_bytes": p2p["send"], "p2p_recv_bytes": p2p["recv"], "p2p_boundary_bytes": fig["boundary_bytes"],
+        "p2p_per_rank": [fig["p2p"][r] for r in sorted(fig["p2p"])],
+    }
+    notes.append("pipeline activations: each micro-batch's saved tensors are held from its forward to its backward "
+                 "(to its weight-gradient step under the zero-bubble / V schedules); torch's receive buffers and "
+                 "the stage outputs kept for backward are not counted")
+    if cfg.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+        notes.append(f"{cfg.pipeline.schedule} splits the backward: measured runs hold more activations than "
+                     "this figure (seen 19-26% more on a small Llama at pp 2; docs/pipeline-parallel.md)")
+    host = 0
+    if cfg.cpu_offload:
+        host, params, grads, opt = params + grads + opt, 0, 0, 0
+        notes.append("cpu_offload: parameters, gradients and optimizer state are in host memory")
+    return ParallelismPlan(
+        world_size=world_size, rank=rank, mesh=dims.describe(), micro_batch=micro_batch, seq_len=seq_len,
+        optimizer=optimizer, param_bytes=params, grad_bytes=grads, optimizer_bytes=opt, activation_bytes=peak,
+        transient_bytes=transient, host_bytes=host, comm_bytes=comm, pipeline=pipeline,
+        flops_per_token=flops.per_token(seq_len), total_params=total_params,
+        seconds=time.perf_counter() - start, notes=notes,
+    )
+
+
+def _stage_sizes(stage: Any) -> dict[str, int]:
+    """`sharded_bytes` of a stage; a stage FSDP left alone (one rank per stage) holds its
+    parameters whole (local shards of tensor-parallel DTensors)."""
+    from smp.planning.memory import fsdp_units
+
+    if fsdp_units(stage):
+        return sharded_bytes(stage)
+    from torch.distributed.tensor import DTensor
+
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in stage.parameters()]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    return {"padded": total, "local": total, "count": len(tensors)}
