@@ -8,6 +8,7 @@ clipping, evaluation loss, a checkpoint every few steps, and a safetensors expor
     torchrun --standalone --nproc-per-node 2 examples/finetune_causal_lm.py
     smp run -n 2 examples/finetune_causal_lm.py --resume                # continue from the last checkpoint
     smp run -n 4 examples/finetune_causal_lm.py --config examples/configs/hybrid.yaml
+    smp run -n 2 examples/finetune_causal_lm.py --config examples/configs/pipeline.yaml   # 2 pipeline stages
     smp run -n 8 examples/finetune_causal_lm.py --model /path/to/hf_model --data train.jsonl \\
         --config examples/configs/llama8b_fsdp_tp.yaml --seq-len 2048 --global-batch 64
 
@@ -17,6 +18,11 @@ the folder has one). --data takes a .txt file or a .jsonl file with a "text" fie
 
 Outputs under --output-dir: metrics.jsonl (one line per step), tensorboard/ (when tensorboard
 is installed), metrics.png (when matplotlib is installed), checkpoints/step_N, hf/ (the export).
+
+With `pipeline_parallel_degree` > 1 in the config, smp.transform returns this rank's pipeline
+stages; the script notices (`PipelinedModel`) and trains and evaluates through
+`smp.pipeline.step` / `smp.pipeline.evaluate` (forward and backward of every micro-batch in one
+call). Nothing else changes for the user.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 import torch
 
 import smp
+import smp.pipeline  # PipelinedModel, step, evaluate (pipeline_parallel_degree > 1)
 from smp import metrics
 from smp.config import ConfigError, load_config
 from smp.mesh import ParallelDims
@@ -187,6 +194,12 @@ def check_args(args: argparse.Namespace, world_size: int) -> ParallelDims:
             f"({dims.describe()}); use a multiple of {dims.dp}"
         )
     local = args.global_batch // dims.dp
+    if dims.pp > 1 and args.grad_accum > 1:
+        raise SystemExit(
+            f"error: --grad-accum {args.grad_accum} with pipeline_parallel_degree={dims.pp}: the pipeline already "
+            f"accumulates gradients over its micro-batches (set pipeline.microbatches in the config); use "
+            f"--grad-accum 1"
+        )
     if local % args.grad_accum:
         raise SystemExit(
             f"error: the per-rank batch {local} (--global-batch {args.global_batch} / data-parallel size {dims.dp}) "
@@ -221,6 +234,27 @@ def load_weights(model, folder: str, log) -> None:
 # Training
 
 
+def forward_backward(model, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Forward and backward of `rows` (this rank's); returns the loss times `scale`, detached.
+    A pipelined model (pipeline_parallel_degree > 1) runs the whole step, every micro-batch
+    through every stage, in `smp.pipeline.step`; it returns the loss on every rank."""
+    if isinstance(model, smp.pipeline.PipelinedModel):
+        assert scale == 1.0  # check_args: --grad-accum 1 under pp (the micro-batches accumulate)
+        return smp.pipeline.step(model, rows)
+    # This rank's chunks of each sequence under context parallel (else the rows whole).
+    loss = model(**smp.context_parallel.shard_batch(rows)).loss * scale
+    loss.backward()
+    return loss.detach()
+
+
+@torch.no_grad()
+def loss_of(model, rows: torch.Tensor) -> float:
+    """The loss of `rows` (this rank's) from the forward pass alone."""
+    if isinstance(model, smp.pipeline.PipelinedModel):
+        return float(smp.pipeline.evaluate(model, rows))
+    return float(model(**smp.context_parallel.shard_batch(rows)).loss)
+
+
 @torch.no_grad()
 def evaluate(model, rows: torch.Tensor, args, st) -> float:
     """Mean loss over the held-out rows this rank owns, averaged over data-parallel ranks."""
@@ -230,7 +264,7 @@ def evaluate(model, rows: torch.Tensor, args, st) -> float:
     losses = []
     for start in range(0, batches * args.global_batch, args.global_batch):
         mine = rows[start + st.dp_rank * per_rank: start + (st.dp_rank + 1) * per_rank].to(st.device)
-        losses.append(float(model(**smp.context_parallel.shard_batch(mine)).loss))
+        losses.append(loss_of(model, mine))
     model.train()
     return smp.training.all_reduce_mean(sum(losses) / len(losses))
 
@@ -277,6 +311,7 @@ def main(argv=None) -> None:
     if int(rows.max()) >= vocab:
         raise SystemExit(f"error: token id {int(rows.max())} is outside the model's vocabulary ({vocab})")
     flops = metrics.model_flops(model)
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model's (a pipeline rank holds a slice)
     model = smp.transform(model)
     if args.model not in MODEL_SHAPES:
         load_weights(model, args.model, log)
@@ -301,7 +336,7 @@ def main(argv=None) -> None:
     tokens_per_step = args.global_batch * args.seq_len
     meter = metrics.ThroughputMeter(flops.per_token(args.seq_len), st.world_size,
                                     metrics.peak_flops(metrics.device_name(st.device)))
-    log(f"smp: {st.dims.describe()}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+    log(f"smp: {st.dims.describe()}, {n_params:,} parameters, "
         f"{train_rows.shape[0]} training rows of {args.seq_len} tokens, steps {start_step}..{args.steps}", flush=True)
     writer = metrics.MetricsWriter(out_dir, enabled=is_main, append=start_step > 0)
     expert_meter = metrics.ExpertLoadMeter(model)  # tokens per expert per step (MoE models; else nothing)
@@ -322,10 +357,8 @@ def main(argv=None) -> None:
             last = m == args.grad_accum - 1
             # Accumulate locally; only the last micro-step's backward syncs gradients.
             with smp.no_sync(model) if not last else contextlib.nullcontext():
-                # This rank's chunks of each sequence under context parallel (else the rows whole).
-                loss = model(**smp.context_parallel.shard_batch(chunk)).loss / args.grad_accum
-                loss.backward()
-            loss_sum += loss.detach().float()
+                loss = forward_backward(model, chunk, 1.0 / args.grad_accum)
+            loss_sum += loss.float()
         grad_norm = smp.clip_grad_norm_(model, args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -5,6 +5,8 @@ Trainer's refusal: tests/test_trainer.py.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from tests import model_coverage_cases as coverage
 from tests import model_coverage_pp_cases as pp_cases
 from tests import pipeline_user_cases as cases
@@ -31,3 +33,14 @@ def test_coverage_column_catches_an_unscaled_microbatch_loss(ranks):
     for report in ranks(2).run(pp_cases.equivalence, family="llama", steps=1, drop_microbatch_scale=True,
                                **coverage.MODES["pp2"]):
         assert report["grad_diff"] > 100 * coverage.TOL, report
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b"])
+def test_evaluate_is_the_forward_loss_and_leaves_training_exact(ranks, schedule):
+    """smp.pipeline.evaluate between training steps equals the whole model's eval loss in one
+    process (1e-5), writes no gradient, and the training steps around it stay exact."""
+    reports = ranks(2).run(cases.evaluate_vs_one_process, config={"pipeline_parallel_degree": 2, "pipeline": schedule})
+    for r in reports:
+        assert r["eval_diff"] < 1e-5 and r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5, r
+        assert r["grads_after_eval"] == 0, r
+    assert reports[0]["eval_losses"][1] != reports[0]["eval_losses"][0]  # the step between them changed the model

@@ -1,6 +1,7 @@
 """Pipeline parallelism: the model split into stages over the "pp" mesh axis, run by
 torch.distributed.pipelining's schedules (docs/pipeline-parallel.md)."""
 
+from smp.pipeline.evaluate import evaluate
 from smp.pipeline.schedule import SCHEDULE_CLASSES, PipelinedModel, build_pipeline, step
 from smp.pipeline.split import StageInfo, build_stage_module, check_layer_chain, find_parts, plan_split, stage_indices
 
@@ -11,6 +12,7 @@ __all__ = [
     "build_pipeline",
     "build_stage_module",
     "check_layer_chain",
+    "evaluate",
     "find_parts",
     "plan_split",
     "stage_indices",

@@ -1,0 +1,51 @@
+"""Evaluation of a pipelined model: the forward of every micro-batch through torch's schedule,
+no backward (`_PipelineScheduleBase.eval`), the batch's loss on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from smp.config import check_pipeline
+from smp.errors import ConfigError, UsageError
+from smp.pipeline.schedule import IGNORE_INDEX, PipelinedModel
+
+
+@torch.no_grad()
+def evaluate(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss of one batch from the forward pass alone, on every rank of the pipeline:
+    next-token cross-entropy averaged over every target (labels of -100 ignored), what
+    `model(input_ids, labels=labels).loss` gives on the whole model. Gradients are untouched.
+    Put the model in eval mode first (`model.eval()`) when its forward has dropout.
+
+    `input_ids` and `labels` ([batch, seq]; labels default to input_ids) are this rank's
+    data-parallel rows, the same on every pipeline rank, split into the config's micro-batches
+    as `smp.pipeline.step` splits them.
+    """
+    if not isinstance(model, PipelinedModel):
+        raise UsageError(
+            f"smp.pipeline.evaluate expects the model smp.transform returned with pipeline_parallel_degree > 1, "
+            f"got {type(model).__name__}; evaluate any other model with model(input_ids, labels=labels).loss"
+        )
+    labels = input_ids if labels is None else labels
+    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+        raise UsageError(
+            f"smp.pipeline.evaluate takes input_ids and labels of one shape [batch, seq]; got "
+            f"{tuple(input_ids.shape)} and {tuple(labels.shape)}"
+        )
+    pp = dist.get_world_size(model.pp_group)
+    try:
+        check_pipeline(model.pipe, pp, batch_size=input_ids.shape[0])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    microbatches = model.pipe.microbatches or pp * len(model.stages)
+    if model._schedule is None or model._loss_fn is not None:  # the default (token-mean) loss
+        model._loss_fn = None
+        model._schedule = model._build_schedule(microbatches)
+    model._scale = 1.0 / max(int((labels[:, 1:] != IGNORE_INDEX).sum()), 1)
+    input_ids, labels = input_ids.to(model.device), labels.to(model.device)
+    losses: list[torch.Tensor] = []
+    model._schedule.eval(input_ids, target=labels, losses=losses)
+    total = torch.stack([loss.float() for loss in losses]).sum() if losses else torch.zeros((), device=model.device)
+    dist.all_reduce(total, group=model.pp_group)  # only the last stage's rank has the losses
+    return total
