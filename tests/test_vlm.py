@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests import vlm_cases as cases
+from tests import vlm_mixed_cases as mixed
 
 
 @pytest.mark.parametrize("family", cases.TIED_TEXT_FAMILIES)
@@ -89,6 +90,33 @@ def test_rank_without_images_unfixed_aborts():
     r = cases.mixed_batch_in_subprocess("llava")
     assert r["returncode"] != 0, r
     assert "mismatch" in r["tail"] or "died" in r["tail"] or "timed out" in r["tail"], r
+
+
+@pytest.mark.parametrize("family", mixed.MIXED_FAMILIES)
+def test_rank_without_images_is_exact_on_every_proven_family(ranks, family):
+    """The same on Gemma3, PaliGemma, Idefics3, SmolVLM, Qwen2-VL, VipLLaVA, Aya Vision, InternVL
+    and GOT-OCR2 (smp.vision.mixed_batches.PROVEN): rank 1 text-only, 3 SGD steps, loss and
+    every gradient within 1e-5 of one process, the tower trained."""
+    for r in ranks(2).run(mixed.mixed_batch, config={}, family=family, timeout=300):
+        assert r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5 and r["tower_grad"] > 0, r
+        assert r["losses"][-1] < r["losses"][0], r
+
+
+def test_blank_run_summing_every_tower_output_aborts():
+    """Negative control: a blank run that sums every tensor get_image_features returns (Aya
+    Vision's raw tower outputs too, not only the features the forward uses) gives parameters a
+    gradient on the text-only rank only; FSDP's reduce-scatter sizes then differ and gloo
+    aborts (in a subprocess: the process dies). Hence PROVEN, not every model with the method."""
+    r = mixed.in_subprocess("mixed_batch_every_output_summed", config={}, family="aya_vision")
+    assert r["returncode"] != 0 and "mismatch" in r["tail"], r
+
+
+def test_mixed_batch_on_an_unproven_family_is_refused_on_every_rank(ranks):
+    """Mistral3 (not in PROVEN: its tower takes each image's size) with images on rank 0 only:
+    every rank raises naming the model, its image modules and the proven list."""
+    for error in ranks(2).run(mixed.mixed_batch_refused, config={}, family="mistral3", timeout=300):
+        assert error.startswith("ConfigError") and "(Mistral3Model)" in error, error
+        assert "vision_tower" in error and "proven exact only on" in error, error
 
 
 @pytest.mark.parametrize("family", ["clip", "siglip"])

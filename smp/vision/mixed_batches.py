@@ -11,9 +11,15 @@ and backward then call the same collectives in the same order as everyone else's
 exactly zero to every value and gradient: the result equals the one-process run on the
 global batch.
 
-Ranks agree first, with one 2-element all-reduce per forward, whether the batch is mixed; a
-model whose blank image smp does not know how to make is refused then, on every rank, naming
-its image-path modules, before any collective diverges.
+The blank run must touch exactly the parameters the image path of the forward touches: one
+more or one fewer with a gradient and FSDP's reduce-scatter sizes differ between ranks (gloo
+aborts on the mismatch). So it takes only `pooler_output` of `get_image_features` (the image
+features the forward scatters into the text), and it runs only on the multimodal models whose
+blank run is proven exact against one process (`PROVEN`, tests/test_vlm.py).
+
+Ranks agree first, with one 2-element all-reduce per forward, whether the batch is mixed; any
+other model is refused then, on every rank, naming the model, its image-path modules and the
+reason, before any collective diverges.
 """
 
 from __future__ import annotations
@@ -44,9 +50,23 @@ def _innermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
     return [(n, m) for n, m in found if not any(c is not m and c in set(m.modules()) for _, c in found)]
 
 
+# The multimodal models (the class defining `get_image_features`) whose blank-image run is proven
+# exact vs one process at world 2 (loss and every gradient, 3 SGD steps): tests/test_vlm.py.
+# Another model may need more than the pixels, or use more outputs of its tower than
+# `pooler_output` (Qwen3-VL's deepstack features): it is refused until a test proves it.
+PROVEN = frozenset({
+    "LlavaModel", "VipLlavaModel", "Qwen2VLModel", "Qwen2_5_VLModel", "Gemma3Model", "PaliGemmaModel",
+    "Idefics3Model", "SmolVLMModel", "AyaVisionModel", "InternVLModel", "GotOcr2Model",
+})
+
+
+def _proven(module: nn.Module) -> bool:
+    return any(c.__name__ in PROVEN for c in type(module).__mro__)
+
+
 def _blank_image(module: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
-    """Keyword arguments of `get_image_features` for one blank (all-zero) image of the smallest
-    size the tower takes, or None when smp does not know this tower's input layout."""
+    """Keyword arguments of `get_image_features` for one blank image of the smallest size the
+    tower takes, or None when smp does not know this tower's input layout."""
     config = getattr(module, "config", None)
     vision = getattr(config, "vision_config", None)
     if vision is None or not callable(getattr(module, "get_image_features", None)):
@@ -69,6 +89,11 @@ def _blank_image(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
     if any(p.default is inspect.Parameter.empty and n not in ("self", "pixel_values") and p.kind not in
            (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL) for n, p in params.items()):
         return None  # it needs more than the pixels (aspect ratios, tile masks): not known here
+    if "pixel_attention_mask" in params:
+        # Idefics3 / SmolVLM: (rows, images per row, channels, height, width) and a pixel mask; an
+        # all-zero image counts as padding there and is dropped, so the blank image is all ones.
+        return {"pixel_values": torch.ones(1, 1, channels, size, size, device=device, dtype=dtype),
+                "pixel_attention_mask": torch.ones(1, 1, size, size, device=device, dtype=torch.bool)}
     return {"pixel_values": torch.zeros(1, channels, size, size, device=device, dtype=dtype)}
 
 
@@ -76,6 +101,13 @@ def _user_class_name(module: nn.Module) -> str:
     """The model's own class name (FSDP2 re-classes a sharded module as `FSDP<Name>`)."""
     name = type(module).__name__
     return name[4:] if name.startswith("FSDP") and name[4:] in {c.__name__ for c in type(module).__mro__} else name
+
+
+def _features_sum(output: Any) -> torch.Tensor | None:
+    """The sum of the image features `get_image_features` returned (its `pooler_output`: what
+    the forward scatters into the text), or None when it returned none."""
+    features = getattr(output, "pooler_output", None)
+    return None if features is None else _float_sum(features)
 
 
 def _float_sum(value: Any) -> torch.Tensor | None:
@@ -123,17 +155,20 @@ class _ImagePathOnEveryRank:
         if not (flags[0] and flags[1]):
             return  # every rank has images, or none has: all call the same collectives
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-        blank = _blank_image(module, flags.device, dtype)
+        blank = _blank_image(module, flags.device, dtype) if _proven(module) else None
         if blank is None:
+            why = ("its tower needs more than the pixels (image sizes, aspect ratios, tile masks)"
+                   if callable(getattr(module, "get_image_features", None)) and _proven(module) else
+                   "a blank-image run is proven exact only on " + ", ".join(sorted(PROVEN)))
             raise ConfigError(
                 f"some ranks' batches hold images and others' do not, and smp cannot run "
                 f"'{self.name or '<root>'}' ({_user_class_name(module)})'s image path "
                 f"({', '.join(self.towers) or 'get_image_features'}) on a blank image for the text-only "
-                "ranks: their FSDP units would all-gather on some ranks only. Give every rank at least "
-                "one image per step (e.g. a sampler that mixes image and text rows per rank)."
+                f"ranks ({why}): their FSDP units would all-gather on some ranks only. Give every rank "
+                "at least one image per step (e.g. a sampler that mixes image and text rows per rank)."
             )
         if not has:
-            self.pending = _float_sum(module.get_image_features(**blank))
+            self.pending = _features_sum(module.get_image_features(**blank, return_dict=True))
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self.pending is None:

@@ -1,0 +1,218 @@
+"""Rank-side cases for batches where some ranks hold no image, on the image-text families beyond
+LLaVA and Qwen2.5-VL (tests/test_vlm.py): tiny Gemma3, PaliGemma, Idefics3, SmolVLM, Qwen2-VL,
+VipLLaVA, Aya Vision, InternVL and GOT-OCR2 built from transformers configs, and Mistral3 (its
+tower needs each image's size: refused). Each function returns plain data to the test."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import smp
+from tests import vlm_cases
+from tests.vlm_cases import TEXT, VISION
+
+ROWS, SEQ = 2, 12  # rows per rank, tokens per row
+IMAGE_TOKEN = 255
+MIXED_FAMILIES = ("gemma3", "paligemma", "idefics3", "smolvlm", "qwen2_vl", "vipllava", "aya_vision", "internvl",
+                  "got_ocr2")
+# Image tokens per image: 16x16 images in 8x8 patches give 4 patches, which Aya Vision's pixel
+# shuffle and InternVL's downsampling merge into one token; GOT-OCR2's 64x64 image, one token.
+IMAGE_TOKENS = {"aya_vision": 1, "internvl": 1, "got_ocr2": 1}
+
+
+def build(family: str) -> torch.nn.Module:
+    """The tiny `family` model (vlm_cases' builders, plus Idefics3 and SmolVLM)."""
+    import transformers as T
+
+    llama = T.LlamaConfig(**TEXT)
+    if family == "qwen2_vl":
+        text = {k: v for k, v in TEXT.items() if k != "head_dim"}
+        return T.Qwen2VLForConditionalGeneration(T.Qwen2VLConfig(
+            text_config=dict(**text, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+                             bos_token_id=0, eos_token_id=1),
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4,
+                               spatial_merge_size=2, temporal_patch_size=2),
+            image_token_id=IMAGE_TOKEN, video_token_id=251, vision_start_token_id=252))
+    if family == "vipllava":
+        return T.VipLlavaForConditionalGeneration(T.VipLlavaConfig(
+            text_config=llama, vision_config=T.CLIPVisionConfig(**VISION), image_token_index=IMAGE_TOKEN,
+            vision_feature_layers=[-2, -1]))
+    if family == "aya_vision":
+        return T.AyaVisionForConditionalGeneration(T.AyaVisionConfig(
+            text_config=llama, vision_config=T.SiglipVisionConfig(**VISION), image_token_index=IMAGE_TOKEN,
+            downsample_factor=2, vision_feature_layer=-1))
+    if family == "internvl":
+        return T.InternVLForConditionalGeneration(T.InternVLConfig(
+            text_config=llama, image_token_id=IMAGE_TOKEN, downsample_ratio=0.5, vision_feature_layer=-1,
+            vision_config=T.InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, image_size=[16, 16], patch_size=[8, 8])))
+    if family == "got_ocr2":
+        return T.GotOcr2ForConditionalGeneration(T.GotOcr2Config(
+            text_config=T.Qwen2Config(**TEXT), image_token_index=IMAGE_TOKEN,
+            vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4,
+                               image_size=64, patch_size=16, mlp_dim=64, global_attn_indexes=[1], window_size=2)))
+    if family == "mistral3":
+        return T.Mistral3ForConditionalGeneration(T.Mistral3Config(
+            text_config=T.MistralConfig(**TEXT), image_token_index=IMAGE_TOKEN, spatial_merge_size=1,
+            vision_feature_layer=-1,
+            vision_config=T.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, image_size=16, patch_size=8, head_dim=8)))
+    if family == "idefics3":
+        return T.Idefics3ForConditionalGeneration(T.Idefics3Config(
+            text_config=T.LlamaConfig(**TEXT), image_token_id=IMAGE_TOKEN, scale_factor=1,
+            vision_config=T.Idefics3VisionConfig(**VISION)))
+    if family == "smolvlm":
+        return T.SmolVLMForConditionalGeneration(T.SmolVLMConfig(
+            text_config=T.LlamaConfig(**TEXT), image_token_id=IMAGE_TOKEN, scale_factor=1,
+            vision_config=T.SmolVLMVisionConfig(**VISION)))
+    return vlm_cases.build(family)
+
+
+def rows(family: str, rank: int, with_images: bool) -> dict:
+    """Rank `rank`'s rows of the global batch: each row one 16x16 image (4 image tokens: 8x8
+    patches) then text, or text-only rows; the same on every call (seeded by rank)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(3, 240, (ROWS, SEQ), generator=g)
+    batch = {"input_ids": ids}
+    if family in ("gemma3", "paligemma"):  # the image rows attend bidirectionally: token types
+        batch["token_type_ids"] = torch.zeros_like(ids)
+    if family == "qwen2_vl":  # multimodal rotary positions: which tokens are image tokens
+        batch["mm_token_type_ids"] = torch.zeros_like(ids)
+    if not with_images:
+        return batch
+    tokens = IMAGE_TOKENS.get(family, 4)
+    ids[:, 1:1 + tokens] = IMAGE_TOKEN
+    pixels = torch.randn(ROWS, 3, 16, 16, generator=g)
+    if family in ("gemma3", "paligemma"):
+        batch["token_type_ids"][:, 1:5] = 1
+        batch["pixel_values"] = pixels
+    elif family in ("idefics3", "smolvlm"):  # (rows, images per row, channels, height, width)
+        batch["pixel_values"] = pixels[:, None]
+        batch["pixel_attention_mask"] = torch.ones(ROWS, 1, 16, 16, dtype=torch.bool)
+    elif family == "qwen2_vl":  # 16x16 image: 4x4 patches of 4, merged 2x2: 4 image tokens
+        ids[:, 0] = 252
+        batch["pixel_values"] = torch.randn(ROWS * 16, 3 * 2 * 4 * 4, generator=g)
+        batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * ROWS)
+        batch["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    elif family == "got_ocr2":
+        batch["pixel_values"] = torch.randn(ROWS, 3, 64, 64, generator=g)
+    elif family == "mistral3":
+        batch["pixel_values"] = pixels
+        batch["image_sizes"] = torch.tensor([[16, 16]] * ROWS)
+    else:
+        batch["pixel_values"] = pixels
+    return batch
+
+
+def global_batch(family: str, image_ranks: tuple[int, ...], world: int) -> dict:
+    """Every rank's rows, concatenated in rank order: the one-process run's batch."""
+    parts = [rows(family, r, r in image_ranks) for r in range(world)]
+    return {key: torch.cat([p[key] for p in parts if key in p])
+            for key in dict.fromkeys(k for p in parts for k in p)}
+
+
+def labels_of(family: str, batch: dict) -> torch.Tensor:
+    """The language-model labels: the input ids, every token counted (so each rank's mean loss
+    is over as many tokens as every other's, and their mean is the global batch's loss)."""
+    return batch["input_ids"]
+
+
+def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), steps: int = 3,
+                run_tower_everywhere: bool = True, dtype: torch.dtype = torch.float32) -> dict:
+    """`family` transformed at world 2 on a global batch where only `image_ranks` hold images,
+    vs the same model in one process on the whole batch: {"loss_diff", "grad_diff", "losses",
+    "tower_grad"} over `steps` SGD steps. `run_tower_everywhere=False` (negative control, run in
+    a subprocess: gloo aborts the process) turns smp's fix off."""
+    from smp.sharding import fsdp
+    from smp.testing.distributed import world_mean
+
+    original = fsdp.install_image_path_on_every_rank
+    if not run_tower_everywhere:
+        fsdp.install_image_path_on_every_rank = lambda model, groups: []
+    try:
+        with smp.session(config):
+            torch.manual_seed(0)
+            reference = build(family).to(dtype)
+            model = smp.transform(copy.deepcopy(reference))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            local = _cast(rows(family, rank, rank in image_ranks), dtype)
+            whole = _cast(global_batch(family, image_ranks, world), dtype)
+            report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": [], "tower_grad": 0.0}
+            for _ in range(steps):
+                loss = model(**local, labels=labels_of(family, local)).loss
+                loss.backward()
+                ref_loss = reference(**whole, labels=labels_of(family, whole)).loss
+                ref_loss.backward()
+                report["losses"].append(float(ref_loss.detach()))
+                report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss.detach()) - float(ref_loss.detach())))
+                report["grad_diff"] = max(report["grad_diff"], vlm_cases._grad_gap(model, reference))
+                report["tower_grad"] = max([report["tower_grad"], *(
+                    float(p.grad.abs().max()) for n, p in reference.named_parameters()
+                    if p.grad is not None and ("vision" in n or "visual" in n))])
+                opt.step(), ref_opt.step()
+                opt.zero_grad(), ref_opt.zero_grad()
+            return report
+    finally:
+        fsdp.install_image_path_on_every_rank = original
+
+
+def _cast(batch: dict, dtype: torch.dtype) -> dict:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
+def mixed_batch_every_output_summed(config: dict, family: str) -> dict:
+    """`mixed_batch` with the blank run summing every tensor `get_image_features` returns (the
+    tower's raw hidden states and pooled output too), not only the image features the forward
+    uses (negative control, run in a subprocess: the extra gradients make FSDP's reduce-scatter
+    sizes differ between ranks and gloo aborts the process)."""
+    from smp.vision import mixed_batches
+
+    original = mixed_batches._features_sum
+    mixed_batches._features_sum = mixed_batches._float_sum
+    try:
+        return mixed_batch(config, family, steps=1)
+    finally:
+        mixed_batches._features_sum = original
+
+
+def in_subprocess(case: str, timeout: float = 150.0, **kwargs) -> dict:
+    """Run this module's `case(**kwargs)` in a fresh 2-rank pool inside a subprocess (a
+    collective mismatch aborts the processes): {"returncode", "tail"}."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from smp.testing.rank_pool import RankPool\n"
+        "from tests import vlm_mixed_cases\n"
+        "pool = RankPool(2)\n"
+        "try:\n"
+        f"    print('RESULT', pool.run(vlm_mixed_cases.{case}, timeout={timeout - 60}, **{kwargs!r}))\n"
+        "finally:\n"
+        "    pool.close(force=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"returncode": None, "tail": f"timed out: {(e.stdout or '')[-500:]}"}
+    return {"returncode": done.returncode, "tail": (done.stdout + done.stderr)[-2000:]}
+
+
+def mixed_batch_refused(config: dict, family: str) -> str:
+    """`family` with images on rank 0 only, where smp's blank-image run is not proven: the error
+    each rank raises before the forward runs, or ''."""
+    with smp.session(config):
+        torch.manual_seed(0)
+        model = smp.transform(build(family))
+        batch = rows(family, dist.get_rank(), dist.get_rank() == 0)
+        try:
+            model(**batch)
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
