@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 
 from smp.testing.rank_pool import RankFailure, RankPool, RankTimeout  # noqa: E402
 from tests import model_coverage_cases as cases  # noqa: E402
+from tests import model_coverage_vlm_cases as vcases  # noqa: E402
 
 # mode (cases.MODES: the arguments of its case function) -> its column title
 COLUMNS = {
@@ -61,6 +62,34 @@ SHORT = {
 # family not exact at TP=2 + SP on world 2 gains nothing from the larger world.
 NEEDS_EXACT = {"tp2-fsdp2-sp": "tp2-sp"}
 NOT_RUN = "not run yet"
+
+# The vision, multimodal and speech section ("--section vision"): the text columns that apply
+# (every one but the peer, which compares text families only), plus its own two.
+VISION_EXTRA = {
+    "mixed": "mixed batch: rank 0 holds the images, rank 1 only text (world 2; image-text families)",
+    "round-trip": "pretrained round trip: save_pretrained -> load_hf -> transform -> export_hf -> from_pretrained, bitwise (world 2)",
+}
+VISION_SHORT = {"mixed": "mixed batch", "round-trip": "pretrained round trip"}
+VISION_CASES = {"mixed": vcases.mixed_batch, "round-trip": vcases.pretrained_round_trip}
+
+
+def vision_columns() -> dict[str, str]:
+    """mode -> title of the section's columns: the text matrix's that apply (read when called:
+    another mode may join COLUMNS) and the section's own."""
+    return {**{m: t for m, t in COLUMNS.items() if m != "peer"}, **VISION_EXTRA}
+
+
+def vision_short(mode: str) -> str:
+    return VISION_SHORT.get(mode) or SHORT[mode]
+
+
+def vision_not_applicable(mode: str, kind: str) -> str | None:
+    """Why column `mode` does not apply to a family of `kind` (None when it does)."""
+    if mode == "mixed" and kind != "image-text":
+        return f"n/a: a {kind} model has no text-only rows"
+    if mode not in VISION_EXTRA and mode in cases.CASE_FUNCTIONS:
+        return "n/a: this column's case covers the text families only"
+    return None
 
 
 def families(only: list[str] | None) -> list[tuple[str, str | None]]:
@@ -86,6 +115,45 @@ def cell_text(result: dict) -> str:
     detail = result["detail"].splitlines()[0] if isinstance(result["detail"], str) else repr(result["detail"])
     detail = " ".join(detail.split()).replace("|", "/")
     return f"{result['status']}: {detail[:240]}"
+
+
+def vision_cell(pool: RankPool, family: str, kind: str, mode: str) -> dict:
+    try:
+        if mode in VISION_CASES:
+            results = pool.run(VISION_CASES[mode], config={}, family=family, kind=kind, timeout=240)
+        else:
+            results = pool.run(vcases.classify, family=family, kind=kind, timeout=240, **cases.MODES[mode])
+    except RankTimeout as e:
+        return {"status": "crash", "detail": f"timed out: {e}"}
+    except RankFailure as e:
+        return {"status": "crash", "detail": str(e).strip().splitlines()[-1]}
+    worst = {"exact": 0, "refused": 1, "unproven": 2, "mismatch": 2, "crash": 3}
+    return max(results, key=lambda r: worst[r["status"]])
+
+
+def run_vision_rows(pool: Callable[[int], RankPool], only: list[str] | None, modes: list[str],
+                    rows: dict[str, dict[str, str]]) -> Iterator[tuple[str, str, str]]:
+    """As run_rows, for the vision, multimodal and speech section."""
+    for family, kind in vcases.vision_families():
+        if only and family not in only:
+            continue
+        reason = vcases.can_build(family, kind)
+        texts = {"kind": kind}
+        yield family, "kind", kind
+        for mode in modes:
+            needed = NEEDS_EXACT.get(mode)
+            needed_text = texts.get(needed, rows.get(family, {}).get(needed, NOT_RUN)) if needed else ""
+            if reason:
+                texts[mode] = f"skipped: {reason}"
+            elif vision_not_applicable(mode, kind):
+                texts[mode] = f"not run: {vision_not_applicable(mode, kind)}"
+            elif needed and not needed_text.startswith("exact"):
+                texts[mode] = f"not run: {needed_text.split(':')[0]} under {COLUMNS[needed]}"
+            else:
+                world = cases.WORLD.get(mode, 2)
+                texts[mode] = cell_text(vision_cell(pool(world), family, kind, mode))
+            print(family, mode, texts[mode][:160], flush=True)
+            yield family, mode, texts[mode]
 
 
 def run_rows(pool: Callable[[int], RankPool], only: list[str] | None, modes: list[str],
@@ -136,6 +204,14 @@ def read_rows(path: str) -> dict[str, dict[str, str]]:
     return rows
 
 
+def read_vision_rows(path: str) -> dict[str, dict[str, str]]:
+    """family -> {"kind": kind, mode: cell text} of the vision section (none if there is none yet)."""
+    if not os.path.exists(data_path(path)):
+        return {}
+    with open(data_path(path)) as f:
+        return json.load(f).get("vision", {})
+
+
 def verdict(text: str) -> tuple[str, str | None]:
     """('refused', reason) from 'refused: reason'; ('exact', note) from 'exact (note)'."""
     status = re.match(r"[\w ]+?(?=:|$| \()", text).group()
@@ -171,7 +247,7 @@ behind this (per-head norms, MoE experts, gathered regions, user plans, negative
 [Tensor parallelism](tensor-parallel.md#model-coverage)."""
 
 
-def render(rows: dict[str, dict[str, str]]) -> str:
+def render(rows: dict[str, dict[str, str]], vision_rows: dict[str, dict[str, str]] | None = None) -> str:
     """The matrix in registry order (families no longer in the registry dropped): a verdict per
     cell, each distinct reason once as a numbered footnote, then totals per column."""
     counts: dict[str, dict[str, int]] = {mode: {} for mode in COLUMNS}
@@ -214,12 +290,76 @@ def render(rows: dict[str, dict[str, str]]) -> str:
         "",
         peer_summary(rows),
         "",
+        *render_vision(vision_rows or {}, reasons),
         "## Reasons",
         "",
         *(f"{n}. {text}" for text, n in reasons.items()),
         "",
     ]
     return "\n".join(lines)
+
+
+VISION_INTRO = """\
+Families from transformers' auto mappings, each under the first of these kinds that lists it:
+image-text-to-text (*image-text*), zero-shot image classification (*contrastive*), image
+classification, vision backbones, speech seq2seq, audio classification and CTC; nothing is listed
+by hand. Each is built from its default config with every size shrunk (nested text, vision and
+audio configs too: hidden 64, 2 layers, 4 heads, vocab 256; convolutional stages 16 channels wide)
+and fed inputs of its modality without a processor: image tokens counted from the model's own
+`get_image_features`, pixel values at the config's image size, mel features at the encoder's
+length, raw audio for wav2vec2-style encoders. Losses: the LM loss with labels (image tokens
+unlabelled) for image-text and speech seq2seq, the classification or CTC loss with labels, the
+global-batch contrastive loss (`smp.vision.clip_loss` / `siglip_loss` over embeddings gathered
+with gradient) for CLIP-like models, a feature-map loss for backbones. Cells as above; *mixed
+batch* runs image-text families with images on rank 0 only (rank 1's rows are text-only, the same
+labelled length) against one process on the whole batch; *pretrained round trip* is bitwise.
+A family that does not build or train in one process at the tiny shape is skipped with the
+error (a limit of the generic tiny config, not of smp)."""
+
+
+def render_vision(rows: dict[str, dict[str, str]], reasons: dict[str, int]) -> list[str]:
+    """The vision, multimodal and speech section's lines; footnote numbers continue `reasons`."""
+    if not rows:
+        return []
+    columns = vision_columns()
+    counts: dict[str, dict[str, int]] = {mode: {} for mode in columns}
+    table, skipped = [], []
+    for family, kind in vcases.vision_families():
+        if family not in rows:
+            continue
+        cells = []
+        for mode in columns:
+            status, reason = verdict(rows[family].get(mode, NOT_RUN))
+            if status != "skipped":
+                counts[mode][status] = counts[mode].get(status, 0) + 1
+            if reason and status != "skipped":
+                number = reasons.setdefault(f"{status}: {reason}", len(reasons) + 1)
+                status = f"{status} [{number}]"
+            cells.append(status)
+        if all(c == "skipped" for c in cells):
+            skipped.append(f"{family} ({kind}): {verdict(rows[family][next(iter(columns))])[1]}")
+        else:
+            table.append(f"| {family} | {kind} | " + " | ".join(cells) + " |")
+    return [
+        "## Vision, multimodal and speech families",
+        "",
+        VISION_INTRO,
+        "",
+        f"| family | kind | {' | '.join(vision_short(m) for m in columns)} |",
+        f"|---|---|{'---|' * len(columns)}",
+        *table,
+        "",
+        "Columns: " + "; ".join(f"*{vision_short(m)}*: {t}" for m, t in columns.items()) + ".",
+        "",
+        "Totals (skipped families not counted):",
+        "",
+        *(f"- {vision_short(m)}: " + ", ".join(f"{n} {status}" for status, n in sorted(c.items())) for m, c in counts.items()),
+        "",
+        f"Skipped ({len(skipped)} families: they do not build or train in one process at the tiny shape):",
+        "",
+        *(f"- {line}" for line in skipped),
+        "",
+    ]
 
 
 def peer_summary(rows: dict[str, dict[str, str]]) -> str:
@@ -238,7 +378,8 @@ def peer_summary(rows: dict[str, dict[str, str]]) -> str:
             f"{len(only_smp)}{' (' + ', '.join(only_smp) + ')' if only_smp else ''}.")
 
 
-def write_merged(path: str, computed: dict[str, dict[str, str]]) -> None:
+def write_merged(path: str, computed: dict[str, dict[str, str]],
+                 vision_computed: dict[str, dict[str, str]] | None = None) -> None:
     """Re-read the cells and write them back with every cell of `computed` (all this run has
     computed, not only the last cell: a concurrent run that rewrote the files from an older copy
     loses nothing of ours at our next write) and every other cell as it stands now. Runs of this
@@ -246,11 +387,13 @@ def write_merged(path: str, computed: dict[str, dict[str, str]]) -> None:
     lock = os.path.join(tempfile.gettempdir(), "model-coverage-" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12] + ".lock")
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        rows = read_rows(path)
+        rows, vision = read_rows(path), read_vision_rows(path)
         for family, texts in computed.items():
             rows[family] = {**rows.get(family, {}), **texts}
-        replace_whole(data_path(path), json.dumps({"cells": rows}, indent=1, sort_keys=True) + "\n")
-        replace_whole(path, render(rows))
+        for family, texts in (vision_computed or {}).items():
+            vision[family] = {**vision.get(family, {}), **texts}
+        replace_whole(data_path(path), json.dumps({"cells": rows, "vision": vision}, indent=1, sort_keys=True) + "\n")
+        replace_whole(path, render(rows, vision))
 
 
 def replace_whole(path: str, text: str) -> None:
@@ -266,17 +409,20 @@ def main() -> int:
     parser.add_argument("--modes", help=f"comma-separated columns to run (default: all): {', '.join(COLUMNS)}")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "model-coverage.md"))
     parser.add_argument("--render-only", action="store_true", help="rewrite the page from the stored cells; run nothing")
+    parser.add_argument("--section", choices=("text", "vision"), default="text",
+                        help="text: the causal-LM table; vision: the vision, multimodal and speech families")
     args = parser.parse_args()
     if args.render_only:
         write_merged(args.out, {})
         return 0
     os.environ.setdefault("TRITON_INTERPRET", "1")
     only = args.families.split(",") if args.families else None
-    modes = args.modes.split(",") if args.modes else list(COLUMNS)
-    unknown = sorted(set(modes) - set(COLUMNS))
+    known = vision_columns() if args.section == "vision" else COLUMNS
+    modes = args.modes.split(",") if args.modes else list(known)
+    unknown = sorted(set(modes) - set(known))
     if unknown:
-        parser.error(f"unknown --modes {unknown}; choose from {list(COLUMNS)}")
-    rows = read_rows(args.out)
+        parser.error(f"unknown --modes {unknown}; choose from {list(known)}")
+    rows = read_vision_rows(args.out) if args.section == "vision" else read_rows(args.out)
     computed: dict[str, dict[str, str]] = {}  # family -> {mode: cell text} of this run
     pools: dict[int, RankPool] = {}
 
@@ -286,16 +432,18 @@ def main() -> int:
         return pools[world]
 
     try:
-        for family, mode, text in run_rows(pool, only, modes, rows):
+        vision = args.section == "vision"
+        for family, mode, text in (run_vision_rows if vision else run_rows)(pool, only, modes, rows):
             computed.setdefault(family, {})[mode] = text
-            write_merged(args.out, computed)  # after each cell: an interrupted run keeps its cells
+            # after each cell: an interrupted run keeps its cells
+            write_merged(args.out, {} if vision else computed, computed if vision else None)
     finally:
         for p in pools.values():
             p.close()
     # the peer's crashes and mismatches are findings about transformers, not failures of smp
     bad = sorted(f for f, texts in computed.items()
                  if any(t.startswith(("crash", "mismatch", "unproven")) for mode, t in texts.items()
-                        if mode != "peer"))
+                        if mode not in ("peer", "kind")))
     if bad:
         print(f"neither exact nor refused: {bad}", file=sys.stderr)
     return 1 if bad else 0

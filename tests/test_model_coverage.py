@@ -153,3 +153,63 @@ def test_fused_gate_up_fix_named_in_the_refusal_is_exact(ranks):
     config = {**cases.TP2, "tensor_parallel": {"plan": plan}}
     for result in ranks(2).run(cases.classify, config=config, family="inkling2_text"):
         assert result["status"] == "exact", result
+
+
+# --- the vision, multimodal and speech section ----------------------------------------------
+
+def test_vision_section_comes_from_the_registry():
+    """Every family of the image-text, contrastive, image / audio classification, backbone,
+    speech seq2seq and CTC auto mappings, once each, under the first kind that lists it; tiny
+    configs shrink nested sub-configs too."""
+    from tests import model_coverage_vlm_cases as vcases
+
+    families = vcases.vision_families()
+    kinds = dict(families)
+    assert len(kinds) == len(families) > 100
+    assert {kinds["llava"], kinds["clip"], kinds["vit"], kinds["whisper"], kinds["wav2vec2"]} == {
+        "image-text", "contrastive", "image-classification", "speech-seq2seq", "audio-classification"}
+    config = vcases.tiny_config("llava", "image-text")
+    assert config.text_config.hidden_size == 64 and config.vision_config.num_hidden_layers == 2
+    assert config.image_token_id < vcases.VOCAB
+
+
+def test_vision_cell_is_exact(ranks):
+    """One fast cell: ViT classification under FSDP at world 2, exact against one process."""
+    from tests import model_coverage_vlm_cases as vcases
+
+    for result in ranks(2).run(vcases.classify, family="vit", kind="image-classification", timeout=240,
+                               **cases.MODES["fsdp"]):
+        assert result["status"] == "exact", result
+
+
+def test_image_rows_skipped_on_one_rank_are_caught(ranks):
+    """Negative control: LLaVA with rank 1's images dropped (its rows run text-only while one
+    process sees the images) must read as a mismatch, not exact."""
+    from tests import model_coverage_vlm_cases as vcases
+
+    results = ranks(2).run(vcases.classify, family="llava", kind="image-text", skip_tower=True, timeout=240,
+                           **cases.MODES["fsdp"])
+    assert {r["status"] for r in results} == {"mismatch"}, results
+
+
+def test_vision_section_renders_with_the_page():
+    """The second table: a row per family with its kind, a verdict per column, reasons as
+    footnotes shared with the text table, skipped families listed under it with their reason."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "model_coverage.py")
+    spec = importlib.util.spec_from_file_location("model_coverage_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    vision = {
+        "vit": {"kind": "image-classification", "fsdp": "exact", "tp2": "refused: ConfigError: no plan",
+                "mixed": "not run: n/a: a image-classification model has no text-only rows"},
+        "swin": {"kind": "image-classification", **{m: "skipped: does not run" for m in script.vision_columns()}},
+    }
+    page = script.render({}, vision)
+    assert "## Vision, multimodal and speech families" in page
+    row = next(line for line in page.splitlines() if line.startswith("| vit |"))
+    assert "| image-classification | exact |" in row and "refused [" in row and "not run [" in row
+    assert "- swin (image-classification): does not run" in page
+    assert "refused: ConfigError: no plan" in page.split("## Reasons")[1]

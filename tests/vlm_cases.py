@@ -146,38 +146,42 @@ def tied_export_round_trip(config: dict, family: str, keep_both: bool = False) -
 
 # --- 2. load_hf of the folders save_pretrained writes, through transformers' key conversion ----
 
-def _saved_folder(family: str, seed: int = 7) -> tuple[str, torch.nn.Module]:
+def _saved_folder(family: str, seed: int = 7, builder=None) -> tuple[str, torch.nn.Module]:
     """(a shared folder holding `family` written by save_pretrained under `src/`, the one-process
-    `from_pretrained` of it: the reference)."""
+    `from_pretrained` of it: the reference). `builder()` builds the model (default: `build`)."""
     from transformers.utils.logging import disable_progress_bar
 
+    builder = builder or (lambda: build(family))
     disable_progress_bar()
     root = _shared_dir(f"pretrained-{family}-")
     src = os.path.join(root, "src")
     if dist.get_rank() == 0:
         torch.manual_seed(seed)
-        build(family).save_pretrained(src)
+        builder().save_pretrained(src)
     dist.barrier()
-    return root, type(build(family)).from_pretrained(src)
+    model = builder()
+    return root, type(model).from_pretrained(src)
 
 
-def pretrained_round_trip(config: dict, family: str, convert: bool = True) -> dict:
+def pretrained_round_trip(config: dict, family: str, convert: bool = True, builder=None) -> dict:
     """save_pretrained -> load_hf (into the transformed model) -> export_hf -> from_pretrained:
     {"error", "loaded_diff" (the transformed model vs from_pretrained of the saved folder),
     "round_trip_diff" (from_pretrained of the export vs the same)}. `convert=False` (negative
-    control) skips transformers' key conversion, as load_hf did before."""
+    control) skips transformers' key conversion, as load_hf did before. `builder()` builds the
+    model (default: `build(family)`; the coverage matrix passes its own)."""
     from smp.checkpointing import hf
 
+    builder = builder or (lambda: build(family))
     original = hf._key_converter
     if not convert:
         hf._key_converter = lambda model: None
     root = None
     try:
         with smp.session(config):
-            root, expected = _saved_folder(family)
+            root, expected = _saved_folder(family, builder=builder)
             reference = expected.state_dict()
             torch.manual_seed(99)  # other values than the checkpoint's
-            model = smp.transform(build(family))
+            model = smp.transform(builder())
             try:
                 smp.checkpointing.load_hf(os.path.join(root, "src"), model)
             except smp.CheckpointError as e:

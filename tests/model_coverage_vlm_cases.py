@@ -1,0 +1,428 @@
+"""Rank-side cases for the vision, multimodal and speech section of the model-coverage matrix.
+
+Families come from transformers' auto mappings (image-text-to-text, zero-shot image
+classification, image classification, vision backbones, speech seq2seq, audio classification,
+CTC), each under the first of those kinds that lists it; nothing is listed by hand. Each is
+built from its own config with every size shrunk (nested text / vision / audio sub-configs too)
+and fed inputs of its modality built without a processor: image tokens counted from the
+model's own `get_image_features`, pixel values at the config's image size, mel features at the
+encoder's length, raw audio for wav2vec2-style encoders. The loss is the kind's: LM loss with
+labels for image-text and speech seq2seq, classification / CTC loss with labels, the global-batch
+contrastive loss (smp.vision.clip_loss / siglip_loss over gathered embeddings) for CLIP-like
+models, a feature-map loss for backbones. Each function returns plain data to the test.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import smp
+from smp.testing.distributed import world_mean
+from tests.model_coverage_cases import TOL, _grad_diff, _param_diff, _unproven, _what_acted
+
+ROWS = 4  # rows of the global batch (split over the data-parallel ranks)
+SEQ = 16  # text tokens after the image tokens
+VOCAB = 256
+FIRST_SPECIAL = 240  # token ids from here up are kept for the config's special tokens
+
+# kind -> the auto mapping (in transformers.models.auto.modeling_auto) whose families it covers,
+# in the order a family listed under several is given its kind
+KINDS = {
+    "image-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "contrastive": "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "backbone": "MODEL_FOR_BACKBONE_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "audio-classification": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+}
+
+# The tiny shape: every size key a config (or any of its sub-configs) has is set to this.
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=VOCAB, max_position_embeddings=128, text_hidden_size=64, vision_hidden_size=64,
+    projection_dim=64, projector_hidden_size=64, out_hidden_size=64, embed_dim=64, depth=2, num_heads=4,
+    d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    encoder_ffn_dim=128, decoder_ffn_dim=128, num_layers=2, num_decoder_layers=2, d_ff=128, d_kv=16,
+    max_source_positions=32, max_target_positions=64, mm_tokens_per_image=4, num_experts=4, num_local_experts=4, n_routed_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, sliding_window=16,
+    num_labels=3, num_mel_bins=16, conv_dim=[32, 32], conv_kernel=[10, 3], conv_stride=[5, 2],
+    num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, tdnn_dim=[32, 32], tdnn_kernel=[3, 3],
+    tdnn_dilation=[1, 1], xvector_output_dim=32, projection_size=64, num_groups=8, num_feat_extract_layers=2,
+)
+# Sizes of a convolutional stage list, one entry per stage: kept to their length, shrunk.
+STAGE_LISTS = dict(depths=1, hidden_sizes=16, embed_dims=16, embedding_size=16)
+
+
+def vision_families() -> list[tuple[str, str]]:
+    """(model_type, kind) for every family of the kinds' auto mappings, each under the first
+    kind that lists it, in the mappings' order."""
+    from transformers.models.auto import modeling_auto
+
+    seen, out = set(), []
+    for kind, mapping in KINDS.items():
+        for model_type in getattr(modeling_auto, mapping, {}):
+            if model_type not in seen:
+                seen.add(model_type)
+                out.append((model_type, kind))
+    return out
+
+
+def model_class(family: str, kind: str) -> type:
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    name = getattr(modeling_auto, KINDS[kind])[family]
+    return getattr(transformers, name if isinstance(name, str) else name[0])
+
+
+def _shrink(d: dict, specials: list[int]) -> dict:
+    """The config dict `d` (nested sub-config dicts too) with its sizes at TINY, dropout off,
+    token ids beyond the tiny vocabulary moved to distinct ids at its top."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and key.endswith("config"):
+            out[key] = _shrink(value, specials)
+            if key == "text_config" and isinstance(value.get("rope_parameters"), dict):
+                # multimodal RoPE (Qwen-VL style) splits head_dim / 2 in three; its default split
+                # (16, 24, 24) is read when the key is absent, for the full-size head. Others ignore it.
+                out[key]["rope_parameters"] = {"mrope_section": [2, 2, 4], **out[key]["rope_parameters"]}
+        elif key in TINY and value is not None and type(value) is type(TINY[key]):
+            out[key] = TINY[key]
+        elif key in STAGE_LISTS and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            out[key] = [STAGE_LISTS[key] * (1 if key == "depths" else i + 1) for i in range(len(value))]
+        elif key in STAGE_LISTS and isinstance(value, int) and key == "embedding_size":
+            out[key] = STAGE_LISTS[key]
+        elif key in ("num_heads", "num_attention_heads") and isinstance(value, list):
+            out[key] = [2] * len(value)  # per stage: 2 heads divide every tiny stage width
+        elif key in ("layer_types", "fullatt_block_indexes", "out_features", "out_indices", "stage_names") \
+                or key.endswith("_layer_indices"):
+            continue  # recomputed by the config from the layer count (or its default)
+        elif isinstance(value, float) and ("dropout" in key or "pdrop" in key or key == "layerdrop"):
+            out[key] = 0.0
+        elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list):
+            out[key] = {**value, "mrope_section": [2, 2, 4]}  # its sum is half the tiny head_dim (16)
+        elif isinstance(value, int) and not isinstance(value, bool) and (key.endswith("token_id") or key.endswith("token_index")):
+            if value >= FIRST_SPECIAL:
+                specials.append(specials[-1] - 1 if specials else VOCAB - 1)
+                out[key] = specials[-1]
+            else:
+                out[key] = value
+        else:
+            out[key] = value
+    if isinstance(out.get("image_size"), int) and isinstance(out.get("patch_size"), int):
+        out["image_size"] = 4 * out["patch_size"]  # 4 x 4 patches: every merge / pooling of 2 or 4 divides it
+    elif isinstance(out.get("image_size"), int):
+        out["image_size"] = min(out["image_size"], 64)  # a convolutional stack: 64 x 64 pixels
+    return out
+
+
+def tiny_config(family: str, kind: str):
+    """`family`'s default config with every size at the tiny shape (nested configs too)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[family]
+    shrunk = _shrink(config_class().to_dict(), [])
+    shrunk.pop("transformers_version", None)
+    shrunk.pop("architectures", None)
+    return config_class.from_dict(shrunk)
+
+
+def build_vision(family: str, kind: str) -> torch.nn.Module:
+    return model_class(family, kind)(tiny_config(family, kind))
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+def _vision_config(config):
+    return getattr(config, "vision_config", None) or config
+
+
+def _image_hw(config) -> tuple[int, int]:
+    size = getattr(_vision_config(config), "image_size", None) or 64
+    return (size, size) if isinstance(size, int) else tuple(size)[-2:]
+
+
+def _channels(config) -> int:
+    v = _vision_config(config)
+    return getattr(v, "num_channels", None) or getattr(v, "in_channels", None) or 3
+
+
+def _forward_params(model) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _image_token(config) -> int | None:
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def image_layout(model) -> dict:
+    """How one image enters `model` (an image-text model), without a processor: the pixel
+    tensor of one image, its extra inputs and the number of image tokens the text holds for
+    it, counted from the model's own image features."""
+    config = model.config
+    token = _image_token(config)
+    h, w = _image_hw(config)
+    if token is None:  # the model places the image itself (BLIP, GIT, Kosmos-2, ...)
+        return {"pixel_values": torch.randn(1, _channels(config), h, w), "extra": {}, "tokens": 0, "token": None}
+    v = _vision_config(config)
+    if "image_grid_thw" in _forward_params(model):  # Qwen-VL style: flattened patches + grid
+        patch, temporal = v.patch_size, getattr(v, "temporal_patch_size", 2) or 1
+        merge = getattr(v, "spatial_merge_size", 2)
+        grid = 2 * merge
+        pixels = torch.randn(grid * grid, _channels(config) * temporal * patch * patch)
+        return {"pixel_values": pixels, "extra": {"image_grid_thw": torch.tensor([[1, grid, grid]])},
+                "tokens": grid * grid // (merge * merge), "token": token}
+    features = getattr(model, "get_image_features", None)
+    if features is None:
+        raise ValueError(f"{type(model).__name__} has no get_image_features")
+    hidden = model.get_input_embeddings().embedding_dim
+    extra = {"image_sizes": torch.tensor([[h, w]])} if "image_sizes" in inspect.signature(features).parameters else {}
+    first = None
+    for pixels in (torch.randn(1, _channels(config), h, w), torch.randn(1, 1, _channels(config), h, w)):
+        try:
+            with torch.no_grad():
+                out = features(pixel_values=pixels, **extra)
+        except Exception as e:  # noqa: BLE001 - the other layout, or the reason it cannot run
+            first = first or e
+            continue
+        if hasattr(out, "pooler_output") and out.pooler_output is not None:
+            out = out.pooler_output
+        elif hasattr(out, "last_hidden_state"):
+            out = out.last_hidden_state
+        parts = out if isinstance(out, (list, tuple)) else [out]
+        total = sum(p.numel() for p in parts)
+        if total % hidden:
+            raise ValueError(f"image features of {total} values are no whole number of tokens of width {hidden}")
+        return {"pixel_values": pixels, "extra": extra, "tokens": total // hidden, "token": token}
+    raise first
+
+
+def _text_row(g: torch.Generator, length: int) -> torch.Tensor:
+    return torch.randint(3, FIRST_SPECIAL - 20, (1, length), generator=g)
+
+
+def rows(model, kind: str, seed: int, with_images: tuple[bool, ...] = (True,) * ROWS,
+         layout: dict | None = None) -> list[dict]:
+    """One input dict per row (labels included) of the global batch for `model` of `kind`;
+    image-text rows with `with_images[i]` False are text-only, with the same labelled length."""
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    out = []
+    for i, image in enumerate(with_images):
+        if kind == "image-text":
+            layout = layout or image_layout(model)
+            start = getattr(config, "vision_start_token_id", None)
+            prefix = layout["tokens"] + (1 if start is not None else 0)
+            ids = _text_row(g, prefix + SEQ)
+            row = {}
+            if image:
+                if start is not None:
+                    ids[0, 0] = start
+                if layout["tokens"]:
+                    ids[0, prefix - layout["tokens"]:prefix] = layout["token"]
+                row["pixel_values"] = layout["pixel_values"] + 0.1 * i
+                row.update(layout["extra"])
+            labels = ids.clone()
+            labels[0, :prefix] = -100  # every row's loss over the same number of text tokens
+            row.update(input_ids=ids, labels=labels)
+            for name in ("token_type_ids", "mm_token_type_ids"):
+                if name in _forward_params(model):
+                    row[name] = (ids == layout["token"]).long()
+        elif kind in ("image-classification", "backbone", "contrastive"):
+            h, w = _image_hw(config)
+            row = {"pixel_values": torch.randn(1, _channels(config), h, w, generator=g)}
+            if kind == "image-classification":
+                row["labels"] = torch.randint(0, config.num_labels, (1,), generator=g)
+            if kind == "contrastive":
+                row["input_ids"] = _text_row(g, 8)
+        else:
+            row = _audio_row(model, kind, g)
+        out.append(row)
+    return out
+
+
+def _audio_row(model, kind: str, g: torch.Generator) -> dict:
+    config = model.config
+    name = getattr(model, "main_input_name", "input_features")
+    if name == "input_features":
+        if getattr(config, "max_source_positions", None) and getattr(config, "num_mel_bins", None):
+            shape = (1, config.num_mel_bins, 2 * config.max_source_positions)  # Whisper's fixed length
+        else:
+            feat = getattr(config, "input_feat_per_channel", None) or getattr(config, "num_mel_bins", None) or 80
+            shape = (1, 64, feat * (getattr(config, "input_channels", None) or 1))
+        row = {name: torch.randn(*shape, generator=g)}
+    else:
+        row = {name: torch.randn(1, 4000, generator=g)}  # raw audio: 4000 samples
+    if kind == "speech-seq2seq":
+        row["labels"] = _text_row(g, 6)
+    elif kind == "audio-classification":
+        row["labels"] = torch.randint(0, config.num_labels, (1,), generator=g)
+    else:  # ctc
+        row["labels"] = torch.randint(1, min(config.vocab_size, 30), (1, 3), generator=g)
+    return row
+
+
+def collate(parts: list[dict]) -> dict:
+    """Rows concatenated key by key (a key only some rows have: those rows' values)."""
+    keys = dict.fromkeys(k for p in parts for k in p)
+    return {k: torch.cat([p[k] for p in parts if k in p]) for k in keys}
+
+
+def local_part(parts: list[dict]) -> list[dict]:
+    """This rank's rows of the global batch, by data-parallel rank (a TP group shares them)."""
+    per = len(parts) // smp.state.dp_size
+    return parts[smp.state.dp_rank * per:(smp.state.dp_rank + 1) * per]
+
+
+# --- losses ----------------------------------------------------------------------------------
+
+def loss_of(model, kind: str, batch: dict, group=None) -> torch.Tensor:
+    """The kind's loss of `model` on `batch`; contrastive models: over the embeddings of
+    `group`'s ranks gathered (None: this rank's rows only, as one process on the whole batch)."""
+    if kind == "contrastive":
+        from smp.vision import contrastive
+
+        out = model(**batch)
+        scale = model.logit_scale
+        if getattr(model, "logit_bias", None) is not None:
+            return contrastive.siglip_loss(out.image_embeds, out.text_embeds, scale, model.logit_bias, group)
+        return contrastive.clip_loss(out.image_embeds, out.text_embeds, scale, group)
+    if kind == "backbone":
+        maps = model(**batch).feature_maps
+        return sum(m.float().pow(2).mean() for m in maps)
+    return model(**batch).loss
+
+
+def _single_group():
+    """A process group of this rank alone (every rank creates every one, as new_group needs)."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return groups[dist.get_rank()]
+
+
+def can_build(family: str, kind: str) -> str | None:
+    """None, or why the tiny `family` cannot run here: built from the shrunk config and
+    trained one step in one process on its kind's inputs, without smp."""
+    try:
+        torch.manual_seed(0)
+        model = build_vision(family, kind)
+        batch = collate(rows(model, kind, seed=0, with_images=(True, True)))
+        loss = loss_of(model, kind, batch)
+        loss.backward()
+        if not torch.isfinite(loss):
+            return f"its loss at the tiny shape is {float(loss)}"
+    except Exception as e:  # noqa: BLE001 - recorded as the skip reason
+        return f"does not run in one process at the tiny shape: {type(e).__name__}: {e}".splitlines()[0][:200]
+    return None
+
+
+# --- the cells -------------------------------------------------------------------------------
+
+def equivalence(config: dict, family: str, kind: str, delayed: bool = False, skip_tower: bool = False) -> dict:
+    """`family` transformed under `config` vs the same model in one process, one SGD step on
+    one global batch: loss, gradient and parameter gaps and what the mode did. `skip_tower`
+    (negative control) drops the images of this rank's rows on every rank but the first, so
+    that the one-process run sees images the transformed one never computes."""
+    with smp.session(config):
+        torch.manual_seed(smp.state.config.random_seed)
+        reference = build_vision(family, kind)
+        reference.train()
+        if delayed:
+            with torch.device("meta"):
+                model = build_vision(family, kind)
+        else:
+            model = copy.deepcopy(reference)
+        parts = rows(reference, kind, seed=100)
+        model = smp.transform(model)
+        report = {"param_diff": _param_diff(model, reference)}
+        group = smp.state.dp_mesh.get_group() if kind == "contrastive" else None
+        alone = _single_group() if kind == "contrastive" else None
+        local = local_part(parts)
+        if skip_tower and smp.state.dp_rank > 0:
+            local = [_text_only(p, model.config) for p in local]
+        loss = loss_of(model, kind, collate(local), group)
+        loss.backward()
+        ref_loss = loss_of(reference, kind, collate(parts), alone)
+        ref_loss.backward()
+        report["loss_diff"] = abs(world_mean(loss) - float(ref_loss))
+        report["grad_diff"] = _grad_diff(model, reference)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        return {**report, **_what_acted(model)}
+
+
+def _text_only(row: dict, config) -> dict:
+    """`row` without its image: pixel inputs dropped, image tokens turned into text."""
+    row = {k: v for k, v in row.items() if k not in ("pixel_values", "image_grid_thw")}
+    ids = row["input_ids"].clone()
+    if _image_token(config) is not None:
+        ids[ids == _image_token(config)] = 5
+    return {**row, "input_ids": ids}
+
+
+def _status(report: dict, config: dict, delayed: bool) -> dict:
+    exact = report["loss_diff"] < TOL and report["grad_diff"] < TOL and (not delayed or report["param_diff"] == 0.0)
+    unproven = _unproven(config, report)
+    if exact and unproven:
+        return {"status": "unproven", "detail": unproven}
+    return {"status": "exact" if exact else "mismatch", "detail": report}
+
+
+def _guarded(run) -> dict:
+    try:
+        return run()
+    except smp.Error as e:
+        return {"status": "refused", "detail": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with its traceback
+        return {"status": "crash", "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+
+
+def classify(config: dict, family: str, kind: str, delayed: bool = False, skip_tower: bool = False) -> dict:
+    """One cell of the section, statuses as model_coverage_cases.classify's."""
+    return _guarded(lambda: _status(equivalence(config, family, kind, delayed, skip_tower), config, delayed))
+
+
+def mixed_batch(config: dict, family: str, kind: str, image_ranks: tuple[int, ...] = (0,)) -> dict:
+    """The 'mixed batch' cell (image-text families): world 2, only `image_ranks` hold images,
+    vs one process on the whole batch."""
+
+    def run() -> dict:
+        with smp.session(config):
+            torch.manual_seed(smp.state.config.random_seed)
+            reference = build_vision(family, kind)
+            model = smp.transform(copy.deepcopy(reference))
+            per = ROWS // dist.get_world_size()
+            flags = tuple(r in image_ranks for r in range(dist.get_world_size()) for _ in range(per))
+            parts = rows(reference, kind, seed=100, with_images=flags)
+            rank = dist.get_rank()
+            loss = loss_of(model, kind, collate(parts[rank * per:(rank + 1) * per]))
+            loss.backward()
+            ref_loss = loss_of(reference, kind, collate(parts))
+            ref_loss.backward()
+            report = {"loss_diff": abs(world_mean(loss) - float(ref_loss)), "grad_diff": _grad_diff(model, reference)}
+            return _status({**report, **_what_acted(model)}, config, False)
+
+    return _guarded(run)
+
+
+def pretrained_round_trip(config: dict, family: str, kind: str) -> dict:
+    """The 'pretrained round trip' cell: save_pretrained -> load_hf into the transformed model
+    -> export_hf -> from_pretrained, every tensor bitwise (tests/vlm_cases.py's case)."""
+    from tests import vlm_cases
+
+    def run() -> dict:
+        report = vlm_cases.pretrained_round_trip(config, family, builder=lambda: build_vision(family, kind))
+        if report["error"]:
+            return {"status": "refused", "detail": report["error"].splitlines()[0][:300]}
+        exact = report["loaded_diff"] == 0.0 and report["round_trip_diff"] == 0.0
+        return {"status": "exact" if exact else "mismatch", "detail": report}
+
+    return _guarded(run)
