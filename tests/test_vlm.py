@@ -214,3 +214,23 @@ def test_mixed_batch_smp_cannot_run_is_refused_on_every_rank(ranks):
     for error in ranks(2).run(cases.mixed_batch_refused, config={}, timeout=300):
         assert error.startswith("ConfigError") and "(MllamaForConditionalGeneration)" in error, error
         assert "model.vision_model" in error, error
+
+
+@pytest.mark.parametrize("clip", ["torch", "smp"])
+@pytest.mark.parametrize("family", ["clip", "scaled"])
+def test_clip_grad_norm_with_a_scalar_parameter(ranks, family, clip):
+    """torch.nn.utils.clip_grad_norm_ (as users and the Trainer call it) and smp.clip_grad_norm_
+    on a model with a 0-d parameter kept whole (CLIP's logit_scale; a toy whose 0-d gradient
+    differs per rank before averaging) at FSDP world 2: the same total norm (relative 1e-5)
+    and clipped gradients (1e-5) as torch's clip in one process, 3 SGD steps."""
+    for r in ranks(2).run(mixed.clip_with_scalar, family=family, clip=clip, timeout=300):
+        assert r["norm_diff"] < 1e-5 and r["grad_diff"] < 1e-5 and r["scale_grad_diff"] < 1e-5, r
+        assert all(ref > 0.05 for _, ref in r["norms"]), r  # max_norm 0.05: every step clips
+
+
+@pytest.mark.parametrize("clip", ["torch", "smp"])
+def test_clip_grad_norm_with_scalar_gradient_not_averaged_is_caught(ranks, clip):
+    """Negative control: the 0-d gradient left each rank's own: the norm or the clipped
+    gradients differ from one process."""
+    for r in ranks(2).run(mixed.clip_with_scalar, family="scaled", clip=clip, average=False, steps=1, timeout=300):
+        assert r["norm_diff"] > 1e-4 and r["scale_grad_diff"] > 1e-4, r

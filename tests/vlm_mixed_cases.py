@@ -216,3 +216,61 @@ def mixed_batch_refused(config: dict, family: str) -> str:
         except smp.Error as e:
             return f"{type(e).__name__}: {e}"
         return ""
+
+
+# --- gradient clipping on a model with a 0-d parameter (CLIP's logit_scale) -------------------
+
+def clip_with_scalar(family: str = "clip", clip: str = "torch", steps: int = 3, average: bool = True,
+                     max_norm: float = 0.05) -> dict:
+    """A model with a 0-d parameter kept whole by smp at world 2, each rank its 2 rows of a
+    4-row batch: "clip" (logit_scale; the loss over the global batch, smp.vision.clip_loss) or
+    "scaled" (vlm_cases._Scaled: each rank's loss over its own rows, so the 0-d gradients
+    differ between ranks until averaged). Gradients clipped by `clip` ("torch":
+    torch.nn.utils.clip_grad_norm_ as users and the Trainer call it; "smp": smp.clip_grad_norm_)
+    vs torch's clip on the model in one process: {"norm_diff" (relative), "norms", "grad_diff",
+    "scale_grad_diff"} over `steps` SGD steps. `average=False` (negative control) leaves the 0-d
+    gradient each rank's own."""
+    from smp.sharding import fsdp
+    from smp.testing.distributed import full_tensor
+    from smp.vision import contrastive as losses
+
+    original = fsdp.average_scalar_gradients
+    if not average:
+        fsdp.average_scalar_gradients = lambda params, mesh: None
+    try:
+        with smp.session({}):
+            torch.manual_seed(0)
+            reference = vlm_cases._Scaled() if family == "scaled" else build(family)
+            model = smp.transform(copy.deepcopy(reference))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(5)
+            ids, pixels = torch.randint(3, 250, (4, 8), generator=g), torch.randn(4, 3, 16, 16, generator=g)
+            inputs = torch.randn(4, 8, generator=g)
+            mine = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+            report = {"norm_diff": 0.0, "norms": [], "grad_diff": 0.0, "scale_grad_diff": 0.0}
+            scalar = "scale" if family == "scaled" else "logit_scale"
+            for _ in range(steps):
+                if family == "scaled":
+                    model(inputs[mine]).backward()
+                    reference(inputs).backward()
+                else:
+                    out = model(input_ids=ids[mine], pixel_values=pixels[mine])
+                    losses.clip_loss(out.image_embeds, out.text_embeds, model.logit_scale).backward()
+                    reference(input_ids=ids, pixel_values=pixels, return_loss=True).loss.backward()
+                if clip == "torch":
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                else:
+                    norm = smp.clip_grad_norm_(model, max_norm)
+                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+                norm = float(full_tensor(norm))
+                report["norms"].append((norm, float(ref_norm)))
+                report["norm_diff"] = max(report["norm_diff"], abs(norm - float(ref_norm)) / float(ref_norm))
+                report["grad_diff"] = max(report["grad_diff"], vlm_cases._grad_gap(model, reference))
+                report["scale_grad_diff"] = max(report["scale_grad_diff"], float(
+                    (full_tensor(getattr(model, scalar).grad) - getattr(reference, scalar).grad).abs()))
+                opt.step(), ref_opt.step()
+                opt.zero_grad(), ref_opt.zero_grad()
+            return report
+    finally:
+        fsdp.average_scalar_gradients = original
