@@ -274,3 +274,55 @@ def clip_with_scalar(family: str = "clip", clip: str = "torch", steps: int = 3, 
             return report
     finally:
         fsdp.average_scalar_gradients = original
+
+
+# --- SMPTrainer.save_model on tied input/output embeddings -------------------------------------
+
+def trainer_save_tied(family: str = "llama-tied", keep_both: bool = False, steps: int = 2) -> dict:
+    """`family` (tied embeddings) trained `steps` steps by SMPTrainer at world 2, then
+    `trainer.save_model(folder)` and transformers' `from_pretrained` of the folder (rank 0):
+    {"error", "diff" (every tensor vs the trained sharded model; 0.0 is bitwise), "tied", "files"}.
+    `keep_both` (negative control) writes both names of the tied weight, as export_hf did before."""
+    import os
+    import shutil
+
+    from smp.checkpointing import hf
+    from smp.integrations import SMPTrainer
+    from smp.testing.distributed import full_tensor
+    from tests import trainer_cases
+
+    out = vlm_cases._shared_dir(f"trainer-tied-{family}-")
+    original = hf._one_copy_of_tied
+    if keep_both:
+        hf._one_copy_of_tied = lambda state, model: state
+    try:
+        with smp.session({}):
+            torch.manual_seed(0)
+            model = vlm_cases.build(family)
+            args = trainer_cases.training_args(os.path.join(out, "run"), smp.state.dp_size, steps=steps)
+            trainer = SMPTrainer(model=model, args=args, train_dataset=trainer_cases.TokenRows(), smp_config={})
+            trainer.train()
+            expected = {n: full_tensor(t.detach()).clone() for n, t in trainer.model.state_dict().items()}
+            folder = os.path.join(out, "final")
+            try:
+                trainer.save_model(folder)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                return {"error": f"{type(e).__name__}: {e}"}
+            if dist.get_rank() != 0:
+                return {"error": "", "diff": 0.0, "tied": True, "files": []}
+            loaded = type(vlm_cases.build(family)).from_pretrained(folder)
+            state = loaded.state_dict()
+            diff = 0.0
+            for name, value in expected.items():
+                same = name in state and torch.equal(state[name], value)
+                diff = max(diff, 0.0 if same else float((state[name].double() - value.double()).abs().max())
+                           if name in state else float("inf"))
+            tied = loaded.get_input_embeddings().weight.data_ptr() == loaded.get_output_embeddings().weight.data_ptr()
+            return {"error": "", "diff": diff, "tied": tied, "files": sorted(os.listdir(folder))}
+    finally:
+        hf._one_copy_of_tied = original
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)
