@@ -259,6 +259,7 @@ def bubble_runs(pp: int, unit_ms: float, steps: int, hidden: int = 16, seq: int 
 
 LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
+MEDIUM = dict(LLAMA, hidden_size=256, intermediate_size=512)  # (e) again, 4x the matmul work per token
 
 
 def activation_runs(pp: int, m: int = 8, batch: int = 8, seq: int = 64) -> list[dict]:
@@ -278,13 +279,17 @@ def activation_runs(pp: int, m: int = 8, batch: int = 8, seq: int = 64) -> list[
     return out
 
 
-def _timed_steps(step, steps: int) -> list[float]:
+def _timed_steps(step, steps: int, cpu: list | None = None) -> list[float]:
+    """Wall seconds of each step (after a barrier); `cpu` collects this process's CPU seconds
+    (all its threads) per step, which the other processes on the machine disturb less."""
     times = []
     for _ in range(steps):
         dist.barrier()
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
+        if cpu is not None:
+            cpu.append(time.process_time() - c)
     return times
 
 
@@ -343,7 +348,7 @@ def _mean_ce(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def peer_runs(rounds: int, steps: int, batch: int = 8, seq: int = 64, m: int = 4) -> dict:
+def peer_runs(rounds: int, steps: int, batch: int = 8, seq: int = 64, m: int = 4, model: dict = LLAMA) -> dict:
     """smp vs hand-written, pp 2, Schedule1F1B, SGD; rank 0's per-step times by round, the
     losses of the first step of each (equal: same init, same batch)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -351,14 +356,15 @@ def peer_runs(rounds: int, steps: int, batch: int = 8, seq: int = 64, m: int = 4
     config = {"pipeline_parallel_degree": 2, "pipeline": {"schedule": "1f1b", "microbatches": m}}
     ids = random_batch(batch, seq, 256, seed=0)
     times = {"smp": [], "hand": []}
+    cpu = {"smp": [], "hand": []}
     losses = {}
     with smp.session(config):
         torch.manual_seed(0)
-        reference = tiny_llama(**LLAMA)
+        reference = tiny_llama(**model)
         rank = dist.get_rank()
         smp_model = smp.transform(copy.deepcopy(reference))
         smp_opt = torch.optim.SGD(smp_model.parameters(), lr=0.0)  # lr 0: every step sees the same weights
-        half = LLAMA["num_hidden_layers"] // 2
+        half = model["num_hidden_layers"] // 2
         hand = HandStage(copy.deepcopy(reference), range(half) if rank == 0 else range(half, 2 * half),
                          rank == 0, rank == 1)
         hand_opt = torch.optim.SGD(hand.parameters(), lr=0.0)
@@ -385,8 +391,35 @@ def peer_runs(rounds: int, steps: int, batch: int = 8, seq: int = 64, m: int = 4
         for r in range(rounds):
             order = ("smp", "hand") if r % 2 == 0 else ("hand", "smp")
             for peer in order:
-                times[peer].append(_timed_steps(smp_step if peer == "smp" else hand_step, steps))
-    return {"times": times, "losses": losses}
+                times[peer].append(_timed_steps(smp_step if peer == "smp" else hand_step, steps, cpu[peer]))
+    return {"times": times, "cpu": cpu, "losses": losses}
+
+
+def stage_call_overhead(model: dict = LLAMA, seq: int = 64, rows: int = 2, calls: int = 200) -> dict:
+    """CPU ms per forward call (no grad, one process) of smp's stage modules (the model's own
+    forward: masks, position ids, output classes) vs the hand-written stages (the layers called
+    directly), on the same micro-batch; the two give equal outputs."""
+    from smp.pipeline import build_stage_module, find_parts, plan_split
+
+    torch.manual_seed(0)
+    reference = tiny_llama(**model)
+    parts, split = find_parts(reference), plan_split(reference, 2)
+    ids = torch.randint(0, 256, (rows, seq))
+    out = {}
+    for info in split:
+        stages = {"smp": build_stage_module(reference, parts, info),
+                  "hand": HandStage(reference, info.layers, info.first, info.last)}
+        x = ids if info.first else torch.randn(rows, seq, model["hidden_size"])
+        ms = {}
+        with torch.no_grad():
+            assert torch.equal(stages["smp"](x), stages["hand"](x))
+            for name in ("smp", "hand", "smp", "hand"):  # the second pass counts
+                c = time.process_time()
+                for _ in range(calls):
+                    stages[name](x)
+                ms[name] = round((time.process_time() - c) / calls * 1e3, 3)
+        out[f"stage{info.index}"] = {**ms, "overhead_ms": round(ms["smp"] - ms["hand"], 3)}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,19 +497,25 @@ def main() -> None:
             print(json.dumps(result["composition_w4"]), flush=True)
 
         if "e" in args.only:
-            out = pools[2].run(peer_runs, rounds=args.rounds, steps=args.steps, timeout=1200)
-            times, losses = out[0]["times"], out[1]["losses"]  # losses live on the last stage (rank 1)
-            med = {peer: [statistics.median(r) for r in rounds] for peer, rounds in times.items()}
-            ratios = [s / h for s, h in zip(med["smp"], med["hand"])]
-            result["vs_hand_written"] = {
-                "model": LLAMA, "batch": 8, "seq": 64, "microbatches": 4, "schedule": "1f1b",
-                "smp_median_s": round(statistics.median([t for r in times["smp"] for t in r]), 4),
-                "hand_median_s": round(statistics.median([t for r in times["hand"] for t in r]), 4),
-                "ratio_per_round": [round(r, 3) for r in ratios], "ratio_median": round(statistics.median(ratios), 3),
-                "ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
-                "first_step_loss": losses, "goal": "<= 1.02",
-            }
+            result["vs_hand_written"] = {"stage_forward_cpu_ms": stage_call_overhead()}
             print(json.dumps(result["vs_hand_written"]), flush=True)
+            for size, model, seq in (("small", LLAMA, 64), ("medium", MEDIUM, 128)):
+                out = pools[2].run(peer_runs, rounds=args.rounds, steps=args.steps, seq=seq, model=model, timeout=1800)
+                times, losses = out[0]["times"], out[1]["losses"]  # losses live on the last stage (rank 1)
+                cpu = {peer: sum(statistics.median(o["cpu"][peer]) for o in out) for peer in ("smp", "hand")}
+                med = {peer: [statistics.median(r) for r in rounds] for peer, rounds in times.items()}
+                ratios = [s / h for s, h in zip(med["smp"], med["hand"])]
+                result["vs_hand_written"][size] = {
+                    "model": model, "batch": 8, "seq": seq, "microbatches": 4, "schedule": "1f1b",
+                    "smp_median_s": round(statistics.median([t for r in times["smp"] for t in r]), 4),
+                    "hand_median_s": round(statistics.median([t for r in times["hand"] for t in r]), 4),
+                    "ratio_per_round": [round(r, 3) for r in ratios], "ratio_median": round(statistics.median(ratios), 3),
+                    "ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+                    "cpu_s_per_step_both_ranks": {k: round(v, 4) for k, v in cpu.items()},
+                    "cpu_ratio": round(cpu["smp"] / cpu["hand"], 3),
+                    "first_step_loss": losses, "goal": "<= 1.02",
+                }
+                print(json.dumps({size: result["vs_hand_written"][size]}), flush=True)
     finally:
         for pool in pools.values():
             pool.close()
