@@ -11,13 +11,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from smp import runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
 from smp.compile import apply_compile
-from smp.config import ConfigError, MoEConfig, SMPConfig
+from smp.config import MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.pipeline import build_pipeline
+from smp.pipeline.split import layer_modules
 from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_meta_model
+from smp.sharding.delayed_init import materialize_stages
 from smp.sharding.fsdp import fsdp_needed, settle_partial_grads, torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
 from smp.tensor_parallel import apply_tensor_parallel
@@ -40,12 +42,7 @@ def transform(
     (`smp.checkpointing.load_hf`; docs/checkpoints.md).
     """
     st = runtime.current()
-    if weights is not None:
-        if st.dims.pp > 1:
-            raise ConfigError(
-                f"transform(weights=...) with pipeline_parallel_degree={st.dims.pp} is not supported yet: "
-                "build the model eagerly, or transform it and load each stage's weights yourself"
-            )
+    if weights is not None and st.dims.pp == 1:
         from smp.checkpointing.hf import load_hf
 
         model = apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan,
@@ -63,16 +60,24 @@ def transform(
         # backward: one all-gather per unit per step instead of two per micro-batch (torchtitan's
         # default under pp), for one unsharded stage's parameters held through the step.
         cfg = cfg.model_copy(update={"reshard_after_forward": False})
-    if materialize and has_meta_tensors(model):
-        # Per-stage delayed init is not built yet: the whole model is initialised as eager
-        # construction would (bitwise), then split; each rank keeps only its stages after.
-        materialize_meta_model(model, torch.device("cpu") if cfg.cpu_offload else st.device, cfg.random_seed)
+    # A meta model is split first; each rank then allocates and initialises only its own
+    # stages (sharded, after the recipe), or fills them from `weights`.
+    init_device = torch.device("cpu") if cfg.cpu_offload else st.device
+    on_meta = has_meta_tensors(model)
 
     def recipe(stage: nn.Module) -> nn.Module:
         return apply_parallelism(stage, cfg, st.dims, st.mesh, st.device, tp_plan=tp_plan,
-                                 materialize=materialize, moe_config=moe_config)
+                                 materialize=materialize and not on_meta, moe_config=moe_config)
 
-    return build_pipeline(model, cfg.pipeline, st.mesh["pp"].get_group(), st.device, recipe)
+    pipelined = build_pipeline(model, cfg.pipeline, st.mesh["pp"].get_group(), st.device, recipe)
+    if weights is not None:
+        from smp.checkpointing.hf import load_hf
+
+        load_hf(weights, pipelined, device=init_device)  # each rank reads its stages' tensors only
+    elif materialize and on_meta:
+        materialize_stages(model, list(pipelined.stages), init_device, cfg.random_seed,
+                           stop_at=frozenset(id(m) for m in layer_modules(model)))
+    return pipelined
 
 
 def apply_parallelism(

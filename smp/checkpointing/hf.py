@@ -33,6 +33,7 @@ from smp.checkpointing.collective import is_dist as _dist
 from smp.checkpointing.collective import on_rank0
 from smp.checkpointing.collective import rank as _rank
 from smp.checkpointing.hf_checks import check_safetensors_files, load_error
+from smp.checkpointing.pipeline import gather_over_pipeline, stages_view, whole_model_shapes
 from smp.checkpointing.sharded import _agree_on_tmp, wait
 from smp import _compat
 from smp.errors import CheckpointError, SMPWarning
@@ -43,11 +44,11 @@ from smp.sharding.delayed_init import _user_class, has_meta_tensors
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
-def _file_index(state: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
-    """Tensor name -> output file number (1-based), filling files in model order."""
+def _file_index(sizes: list[tuple[str, int]], max_shard_bytes: int) -> dict[str, int]:
+    """Tensor name -> output file number (1-based), filling files in model order from each
+    tensor's (name, bytes)."""
     mapping, index, used = {}, 1, 0
-    for name, t in state.items():
-        size = t.numel() * t.element_size()
+    for name, size in sizes:
         if used and used + size > max_shard_bytes:
             index, used = index + 1, 0
         mapping[name] = index
@@ -79,19 +80,27 @@ def export_hf(
     export records passed in as `dims` (None under plain torch.distributed)."""
     wait()
     out_dir = os.path.abspath(os.fspath(out_dir))
+    # A pipelined model: this rank's stages under the whole model's names; the pipeline's
+    # ranks write one folder together (each its stages' tensors, rank 0 consolidates).
+    model, _, pp_group = stages_view(model)
     state = _one_copy_of_tied(get_model_state_dict(model), model)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    meta = metadata.build(metadata.tensor_shapes(state), False, "hf", dims)
+    sizes = [(k, v.numel() * v.element_size()) for k, v in state.items()]
+    scalars = {k: v.detach().cpu() for k, v in state.items() if v.dim() == 0}  # whole on every rank holding them
+    if pp_group is not None:  # every rank needs the whole model's file layout; rank 0 its scalars
+        parts = gather_over_pipeline((sizes, scalars), pp_group)
+        sizes = [entry for part, _ in parts for entry in part]
+        scalars = {k: v for _, part in parts for k, v in part.items()}
+    shapes = whole_model_shapes(metadata.tensor_shapes(state), pp_group, f"export_hf {out_dir!r}")
+    meta = metadata.build(shapes, False, "hf", dims)
     tmp = _agree_on_tmp(out_dir, "hf")
     try:
         writer = HuggingFaceStorageWriter(
-            tmp, fqn_to_index_mapping=_file_index(state, max_shard_bytes),
+            tmp, fqn_to_index_mapping=_file_index(sizes, max_shard_bytes),
             save_distributed=True, enable_consolidation=True,
         )
         dcp.save(state, storage_writer=writer, no_dist=not _dist())
-
-        scalars = {k: v for k, v in state.items() if v.dim() == 0}  # whole on every rank
 
         def finish() -> None:
             shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)  # per-rank pieces
@@ -471,10 +480,14 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
     check_safetensors_files(hf_dir)  # truncated, unparsable or forged headers: named, before any read
     on_meta = has_meta_tensors(model)
     source = f"Hugging Face checkpoint {hf_dir!r}"
+    # A pipelined model: each rank reads its stages' tensors; the file is matched against the
+    # whole model (from_pretrained's rules asked of a stage, which has the model's class).
+    model, stages, pp_group = stages_view(model)
     state = get_model_state_dict(model)
-    mapping, ignored = _plan_hf_load(
-        _hf_shapes(hf_dir), model, metadata.tensor_shapes(state), source, _key_converter(model)
-    )
+    local_shapes = metadata.tensor_shapes(state)
+    shapes = whole_model_shapes(local_shapes, pp_group, f"load_hf {hf_dir!r}")
+    mapping, ignored = _plan_hf_load(_hf_shapes(hf_dir), stages[0], shapes, source, _key_converter(stages[0]))
+    mapping = {key: target for key, target in mapping.items() if target in local_shapes}
     if on_meta:
         read = set(mapping.values()) | {n for g in _tied_groups(model) if set(g) & set(mapping.values()) for n in g}
         unread = [n for n in _meta_names(model) if n in state and n not in read]
@@ -485,7 +498,8 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
                 "does not replay init on a meta model). Build the model eagerly, or let "
                 "smp.transform initialise it (materialize=True) and then call load_hf."
             )
-        _allocate(model, torch.device(device) if device is not None else _default_device(), _computed_buffers(model))
+        for part in stages:  # each stage holds its own copies of the buffers outside its parts
+            _allocate(part, torch.device(device) if device is not None else _default_device(), _computed_buffers(part))
         state = get_model_state_dict(model)
     if ignored and _rank() == 0:
         warnings.warn(

@@ -55,6 +55,8 @@ def describe_run(dims: ParallelDims | None) -> dict[str, Any]:
     run: dict[str, Any] = {"world_size": world}
     if dims is not None:
         run.update(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
+        if dims.pp > 1:
+            run["pp"] = dims.pp
     return run
 
 

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from smp.checkpointing import atomic, digest, inline_digest, metadata, rng, safe_read, save_errors, verify
 from smp.checkpointing.async_save import saves, wait
 from smp.checkpointing.collective import agree, is_dist, on_rank0, rank, world
+from smp.checkpointing.pipeline import stages_view, whole_model_shapes
 from smp.checkpointing.same_path import agree_on_path
 from smp.checkpointing.save_errors import disk_full_or, is_disk_full, save_error
 from smp.errors import CheckpointError
@@ -56,10 +58,14 @@ log = logging.getLogger(__name__)
 EXTRA_DIR = "smp_extra"
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None, flat: bool = False) -> dict[str, Any]:
+    """The model's (and optimizer's) state under clean names. `flat`: the optimizer state as
+    one entry per parameter (`state.<name>.exp_avg`, `param_groups.<name>.lr`), which a
+    pipelined model's ranks need: each holds other parameters, and DCP keeps one rank's copy
+    of a shared entry such as the nested `param_groups` list."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -183,9 +189,20 @@ def save(
     # DCP fills an optimizer that has not stepped yet with a zero-lr step (Adam's step count
     # becomes 1). We undo that on the live optimizer and on load, so saving never changes the run.
     fresh_optimizer = optimizer is not None and not optimizer.state
-    state = _state_dicts(model, optimizer)
-    meta = metadata.build(metadata.tensor_shapes(state["model"]), optimizer is not None, "sharded", dims)
+    # A pipelined model: this rank's stages under the whole model's names (pipeline.py).
+    model, _, pp_group = stages_view(model)
+    flat = pp_group is not None
+    state = _state_dicts(model, optimizer, flat)
+    try:
+        shapes = whole_model_shapes(metadata.tensor_shapes(state["model"]), pp_group, f"saving checkpoint {path!r}")
+    except CheckpointError:
+        if fresh_optimizer:
+            optimizer.state.clear()  # get_state_dict initialised it: saving never changes the run
+        raise
+    meta = metadata.build(shapes, optimizer is not None, "sharded", dims)
     meta.update(metadata.describe_optimizer(optimizer), optimizer_fresh=fresh_optimizer, run_id=atomic.run_id())
+    if flat:
+        meta["optimizer_flat"] = True
     needed = _local_bytes(state) * world()
     try:
         tmp = _agree_on_tmp(path)
@@ -288,20 +305,23 @@ def load(
     path = os.path.abspath(os.fspath(path))
     agree_on_path(path, "smp.checkpointing.load")
     meta = verify.check_directory(path)
+    model, _, pp_group = stages_view(model)
     # Every check before the optimizer is touched (DCP initialises an empty one with a step).
-    shapes = metadata.tensor_shapes(get_model_state_dict(model))
+    shapes = whole_model_shapes(metadata.tensor_shapes(get_model_state_dict(model)), pp_group,
+                                f"loading checkpoint {path!r}")
     metadata.check_compatible(meta["params"], shapes, f"checkpoint {path!r}")
     metadata.check_optimizer(meta, optimizer, f"checkpoint {path!r}")
     verify.verify_structure(path, meta, allow_unverified)
     saved_extra, own_rng = _read_extra(path, meta, allow_pickle)
     fresh_optimizer = optimizer is not None and not optimizer.state
+    flat = meta.get("optimizer_flat") is True  # saved by a pipelined model: one entry per parameter
     # DCP reads into a copy of the state; the digests of this rank's files are taken from the
     # bytes it reads; all ranks agree they match before anything is copied into the model.
     mine = verify.data_to_verify(meta)
     reader = inline_digest.VerifyingReader(path, mine)
     load_error = None
     try:
-        state = _empty_copy(_state_dicts(model, optimizer))
+        state = _empty_copy(_state_dicts(model, optimizer, flat))
         dcp.load(state, storage_reader=reader, planner=safe_read.SafeLoadPlanner(), no_dist=not is_dist())
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -320,7 +340,8 @@ def load(
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=flat))
         if meta.get("optimizer_fresh"):
             optimizer.state.clear()  # saved before its first step: it had no state to restore
     atomic.adopt_run(meta.get("run_id"))

@@ -78,8 +78,9 @@ class PipelinedModel(nn.Module):
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         raise UsageError(
-            "loading a state_dict into a pipelined model is not built yet (pipeline_parallel_degree > 1); "
-            "load the checkpoint into the model before smp.transform"
+            "loading a state_dict into a pipelined model (pipeline_parallel_degree > 1) is not built; load a "
+            "checkpoint with smp.checkpointing.load(path, model) (any layout's), Hugging Face weights with "
+            "smp.checkpointing.load_hf(folder, model), or the state_dict into the model before smp.transform"
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -90,8 +91,8 @@ class PipelinedModel(nn.Module):
             # submodules by name: say what this object is instead of a bare missing attribute.
             raise AttributeError(
                 f"a pipelined model (pipeline_parallel_degree > 1) has no attribute {name!r}: it holds only this "
-                f"rank's stages (model.stages). Checkpoints, export_hf and trainers of a pipelined model are not "
-                f"built yet (docs/pipeline-parallel.md)"
+                f"rank's stages (model.stages). smp.checkpointing's save, load and export_hf take the pipelined "
+                f"model as it is (docs/pipeline-parallel.md)"
             ) from None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -367,3 +367,66 @@ def _plain_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         for name in parts.last:
             x = _get(self, name)(x)
     return x
+
+
+def layer_modules(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (the blocks the split distributes) of a model smp can split."""
+    return list(_get(model, find_parts(model).layers))
+
+
+# ----------------------------------------------------------------------------------------------
+# One module with the names of the whole model, for checkpoints and export
+
+
+class StagesView(nn.Module):
+    """This rank's stages as one module tree with the whole model's names: each submodule is
+    the stage module holding tensors under that name (containers that several stages share,
+    the base model and its layer list, are merged). Its `named_parameters` / `state_dict` are
+    the rank's slice of the model's, under the model's names, so torch.distributed.checkpoint's
+    state-dict functions (which walk the module tree to name parameters and optimizer state)
+    see the names a model without pp has. It holds no tensor of its own and is never called."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a StagesView names this rank's pipeline stages for checkpoints; it does not run")
+
+
+def whole_model_view(stages: Sequence[nn.Module]) -> nn.Module:
+    """A module whose parameter and buffer names are the whole model's, holding the tensors
+    of `stages` (this rank's stage modules): the stage itself when there is one."""
+    if len(stages) == 1:
+        return stages[0]
+    view = _merge(list(stages))
+    first = stages[0]
+    for attr in ("config", "generation_config", "base_model_prefix", "all_tied_weights_keys"):
+        if hasattr(first, attr):
+            setattr(view, attr, getattr(first, attr))  # what export_hf reads of the model
+    return view
+
+
+def _holds_state(module: nn.Module | None) -> bool:
+    return module is not None and any(True for _ in (*module.parameters(), *module.buffers()))
+
+
+def _merge(modules: list[nn.Module | None]) -> nn.Module | None:
+    holders = list({id(m): m for m in modules if _holds_state(m)}.values())
+    if len(holders) <= 1:
+        return holders[0] if holders else next((m for m in modules if m is not None), None)
+    if any(_own_state(m) for m in holders):
+        if any(True for m in holders for _ in m.parameters()):
+            raise ConfigError(
+                f"pipeline stages hold different {type(holders[0]).__name__} modules with parameters under "
+                "one name; smp cannot give them the whole model's names"
+            )
+        return holders[0]  # a buffer-only module every stage keeps a copy of (rotary embedding)
+    view = StagesView()
+    children: dict[str, list[nn.Module | None]] = {}
+    for m in holders:
+        for name, child in own_children(m).items():
+            children.setdefault(name, []).append(child)
+    for name, group in children.items():
+        own_children(view)[name] = _merge(group)
+    return view
+
+
+def _own_state(module: nn.Module) -> bool:
+    return any(True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False)))

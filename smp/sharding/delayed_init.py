@@ -47,34 +47,42 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def _swap_entries(module: nn.Module, recurse: bool) -> list[tuple[nn.Module, str, DTensor]]:
-    """(owner module, name, sharded param) for `module`'s parameters; with `recurse`, also its
-    descendants' down to (not into) other FSDP units, so one swap never spans two units."""
+def _swap_entries(
+    module: nn.Module, recurse: bool, stop_at: frozenset[int] = frozenset()
+) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(owner module, name, param) for `module`'s sharded (DTensor) and meta parameters; with
+    `recurse`, also its descendants' down to (not into) other FSDP units and the modules of
+    `stop_at`, so one swap never spans two units."""
     entries = []
     stack = [module]
     while stack:
         current = stack.pop()
         for name, param in own_parameters(current).items():
-            if isinstance(param, DTensor):
+            if isinstance(param, DTensor) or (param is not None and param.is_meta):
                 entries.append((current, name, param))
         if recurse:
-            stack.extend(c for c in current.children() if not isinstance(c, FSDPModule))
+            stack.extend(c for c in current.children() if not isinstance(c, FSDPModule) and id(c) not in stop_at)
     return entries
 
 
 @contextmanager
 def _full_parameters(
-    module: nn.Module, gather: bool, first_owner: dict[int, int], recurse: bool = False
+    module: nn.Module, gather: bool, first_owner: dict[int, int], recurse: bool = False,
+    scratch: torch.device | None = None, stop_at: frozenset[int] = frozenset(),
 ) -> Iterator[None]:
     """Swap sharded parameters for plain full tensors during an init call, then keep the shards.
 
     Each (module, name) gets its own temporary: eager construction ties weights only after
     initialising them, so a tied copy (an LM head tied to the embedding) draws the RNG into
-    its own tensor and only the first owner's values are kept.
+    its own tensor and only the first owner's values are kept. A parameter still on the meta
+    device (another pipeline stage's) gets a temporary on `scratch`, so that its init draws the
+    generator as eager construction did, and its values are dropped.
     """
-    entries = _swap_entries(module, recurse)
+    entries = [e for e in _swap_entries(module, recurse, stop_at) if scratch is not None or isinstance(e[2], DTensor)]
     for owner, name, param in entries:
-        if gather:
+        if not isinstance(param, DTensor):
+            full = torch.empty(param.shape, dtype=param.dtype, device=scratch)
+        elif gather:
             full = param.full_tensor()
             if full.untyped_storage().data_ptr() == param.to_local().untyped_storage().data_ptr():
                 full = full.clone()  # an unsharded mesh returns the shard itself: never alias it
@@ -87,7 +95,7 @@ def _full_parameters(
         for owner, name, param in entries:
             full = own_parameters(owner)[name].detach()
             add_parameter_slot(owner, name, param)
-            if first_owner.get(id(param)) != id(owner):
+            if first_owner.get(id(param)) != id(owner) or not isinstance(param, DTensor):
                 continue
             # src_data_rank=None: every rank slices its own shard from identical local data.
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -137,7 +145,12 @@ class _Replay:
     PreTrainedModel already initialised). Verified bitwise against eager construction.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, scratch: torch.device | None = None,
+                 stop_at: frozenset[int] = frozenset()) -> None:
+        # scratch: where meta parameters (other pipeline stages') get their throw-away values;
+        # stop_at: modules an ancestor's init call does not reach into (each is initialised
+        # on its own visit), bounding the throw-away memory to one of them at a time.
+        self.scratch, self.stop_at = scratch, stop_at
         self.hf_done: set[int] = set()
         # Each parameter's value is written through one owner module; a tied copy elsewhere (an
         # LM head tied to the embedding) draws the RNG into its own temporary, not kept.
@@ -155,7 +168,7 @@ class _Replay:
         constructor_init = _CONSTRUCTOR_INITS.get(type(module).__name__)
         if callable(reset) or constructor_init is not None:
             before = len(self.draws)
-            with _full_parameters(module, gather=False, first_owner=self.first_owner):
+            with _full_parameters(module, gather=False, first_owner=self.first_owner, scratch=self.scratch):
                 with _RecordDraws(self.draws):
                     reset() if callable(reset) else constructor_init(module)
             self.drawn_by += [self.names.get(id(module), "?")] * (len(self.draws) - before)
@@ -175,7 +188,8 @@ class _Replay:
                 visit(child, init_weights_function(child) if _is_hf_model(child) else init_fn)
             if id(module) not in self.hf_done:
                 # recurse: an init may write a child's weight (GPT-2 scales attn.c_proj).
-                with _full_parameters(module, gather=True, first_owner=self.first_owner, recurse=True):
+                with _full_parameters(module, gather=True, first_owner=self.first_owner, recurse=True,
+                                      scratch=self.scratch, stop_at=self.stop_at):
                     init_fn(module, is_custom)
                 self.hf_done.add(id(module))
 
@@ -371,3 +385,55 @@ def materialize_meta_model(model: nn.Module, device: torch.device, seed: int) ->
         _check_same_draws(model, eager_draws, replay)
         model.tie_weights()
     _check_all_set(model)
+
+
+@torch.no_grad()
+def materialize_stages(
+    model: nn.Module, stages: list[nn.Module], device: torch.device, seed: int,
+    stop_at: frozenset[int] = frozenset(),
+) -> None:
+    """Allocate and initialise only `stages` (this rank's pipeline stages of `model`, which
+    share their parameters' modules with it, possibly sharded already) as eager construction
+    of the whole `model` would.
+
+    The replay runs over the whole model in construction order: the other stages' parameters
+    (still on meta) get throw-away values on `device` so that the generator is drawn exactly
+    as eagerly, one module at a time (the modules of `stop_at`, the decoder layers, bound what
+    one init call allocates). The proofs of `materialize_meta_model` apply unchanged: the draw
+    sequence of a transformers model is compared with its eager construction's, and a stage
+    value no init writes is refused by name. Buffers a stage holds as its own copy (the rotary
+    embedding outside the layers) take the value the replay computed for the whole model's.
+    """
+    hf_model = _is_hf_model(model)
+    if not hf_model:
+        _check_initialisable(model)
+    eager_draws = _eager_construction_draws(model) if hf_model else None
+    _clear_hf_init_marks(model)
+    for stage in stages:
+        _clear_hf_init_marks(stage)
+        real = _real_values(stage)
+        stage.to_empty(device=device)
+        if hf_model and hasattr(stage, "tie_weights"):
+            stage.tie_weights()  # to_empty gives each name of a tied parameter its own tensor
+        _mark_unset(stage, real)
+    # Buffers of the whole model still on meta (another stage's, or modules a stage copied):
+    # real and unset, so that the inits that compute them (rotary inv_freq) can run.
+    for module in model.modules():
+        store = own_buffers(module)
+        for name, b in store.items():
+            if b is not None and b.is_meta:
+                store[name] = torch.empty_like(b, device=device)
+                if (marker := _unset_marker(store[name])) is not None:
+                    store[name].fill_(marker)
+    torch.manual_seed(seed)
+    replay = _Replay(model, scratch=device, stop_at=stop_at)
+    replay.construct(model)
+    if hf_model:
+        _check_same_draws(model, eager_draws, replay)
+    whole = dict(model.named_buffers(remove_duplicate=False))
+    for stage in stages:
+        for name, b in stage.named_buffers(remove_duplicate=False):
+            if name in whole and whole[name] is not b:
+                _local(b).copy_(_local(whole[name]))
+    for stage in stages:  # one collective per stage: every rank holds as many
+        _check_all_set(stage)
