@@ -97,6 +97,9 @@ CASES = [
          adds={"model": ("replicate_params", "")}),
     Case(rules.sp_needs_the_head, tiny_llama, SP, plan=_llama_without_head_entry,
          refuses="sequence_parallel needs the output head"),
+    # ViT, DINOv2, CLIP, SigLIP, Whisper: no language-model token stream to shard.
+    Case(rules.sp_token_streams_only, lambda: tp_vlm_cases.build("vit"), SP,
+         refuses="sequence_parallel: ViTForImageClassification is a vision"),
 ]
 
 

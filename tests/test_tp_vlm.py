@@ -80,3 +80,19 @@ def test_vision_and_speech_missing_all_reduce_is_caught(ranks, kind):
     """Negative control: one row-wise layer's partial sums left unsummed."""
     reports = ranks(2).run(cases.equivalence, config=TP2, kind=kind, steps=1, corrupt=True, timeout=300)
     assert max(max(r["grad_diff"], r["loss_diff"]) for r in reports) > 100 * TOL, [r["grad_diff"] for r in reports]
+
+
+REFUSED_SP = {"vit": "ViTForImageClassification", "dinov2": "Dinov2ForImageClassification", "clip": "CLIPModel",
+              "siglip": "SiglipModel", "whisper": "WhisperForConditionalGeneration"}
+
+
+@pytest.mark.parametrize("kind", cases.VISION_FAMILIES)
+def test_sequence_parallel_on_vision_and_speech_models_is_refused(ranks, kind):
+    """Sequence parallel shards a language model's token sequence only: ViT, DINOv2, CLIP, SigLIP
+    (patches read off one position by a classifier or pooler) and Whisper (audio frames; inline
+    decoder layers) are refused on every rank before the model is changed, naming the model,
+    the reason and the fix (tensor parallel alone is exact on them, the tests above)."""
+    for error in ranks(2).run(cases.sequence_parallel_refusal, config=TP2_SP, kind=kind, timeout=300):
+        assert error.startswith("ConfigError: sequence_parallel: " + REFUSED_SP[kind]), error
+        assert "sequence_parallel: false" in error and "[the model was changed]" not in error, error
+        assert ("audio frames" if kind == "whisper" else "image patches") in error, error

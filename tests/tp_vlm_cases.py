@@ -147,3 +147,16 @@ def equivalence(config: dict, kind: str, steps: int = 3, flip_image: bool = Fals
             opt.zero_grad(), ref_opt.zero_grad()
         report["grad_diff"] = max(report["grad_diffs"].values())
         return {**report, **applied_plan(model)}
+
+
+def sequence_parallel_refusal(config: dict, kind: str) -> str:
+    """`kind` transformed with `config` (sequence parallel on): the error each rank raises before
+    the model is changed (its parameters still plain tensors), or ''."""
+    with smp.session(config):
+        model = build(kind)
+        try:
+            smp.transform(model)
+        except smp.Error as e:
+            untouched = not any(isinstance(p, DTensor) for p in model.parameters())
+            return f"{type(e).__name__}: {e}" + ("" if untouched else " [the model was changed]")
+        return ""

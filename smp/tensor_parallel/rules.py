@@ -242,6 +242,39 @@ def shared_region_entry(m: Matched, opts: Options) -> list[Assignment]:
 # model only (`Matched.sp_scope`): a vision tower, an audio encoder or a projector beside it runs
 # on whole activations, its split regions as without sequence parallel.
 
+def sp_token_streams_only(m: Matched, opts: Options) -> list[Assignment]:
+    """Sequence parallel shards the token sequence of a language model (a causal LM, or the
+    language model inside LLaVA / Qwen2.5-VL / Gemma3 / PaliGemma). A vision encoder without one
+    (ViT, DINOv2, CLIP, SigLIP: the sequence is its patches, read by a classifier or pooler
+    off one position) and an encoder-decoder speech model (Whisper: audio frames in its encoder,
+    attention computed inline in its decoder layers) are refused, naming the model, before any
+    change to it."""
+    if not opts.sequence_parallel:
+        return []
+    import inspect
+
+    try:
+        takes = set(inspect.signature(m.model.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+    config = getattr(m.model, "config", None)
+    name = type(m.model).__name__
+    if "input_features" in takes and getattr(config, "is_encoder_decoder", False):
+        why = (f"{name} is a speech encoder-decoder: its encoder's sequence is audio frames and its "
+               "decoder layers compute attention inline (norms and split projections in one module)")
+    elif "pixel_values" in takes and m.head is None:
+        why = (f"{name} is a vision (or contrastive image-text) model without a language-model head: its "
+               "sequences (image patches; a contrastive model's text too) are read off one position by a "
+               "classifier or pooler")
+    else:
+        return []
+    raise ConfigError(
+        f"sequence_parallel: {why}. smp shards the token sequence of a language model only (a causal LM, "
+        "or the language model inside a VLM such as LLaVA, Qwen2.5-VL, Gemma3 or PaliGemma). Set "
+        f"tensor_parallel.sequence_parallel: false: tensor parallel alone is exact on {name}"
+    )
+
+
 def sp_enter_at_language_model(m: Matched, opts: Options) -> list[Assignment]:
     """A multimodal model (LLaVA, Qwen2.5-VL, Gemma3, ...) embeds the tokens and scatters the
     image features in before it calls its language model with `inputs_embeds`: the sequence is
@@ -391,6 +424,7 @@ RULES: tuple[Rule, ...] = (
     gradless_submodules,
     per_head_parameters,
     shared_region_entry,
+    sp_token_streams_only,
     sp_enter_at_language_model,
     sp_gather_at_region_entry,
     sp_moe_block_takes_whole_sequence,
