@@ -8,7 +8,7 @@ the optimizer loaded by torch's load_sharded_optimizer_state_dict + FSDP.optim_s
 (refused on every rank under TP, where that loader would read parts of the state from no folder;
 loaded with the model there); its final FULL_STATE_DICT save loads with from_pretrained.
 Negative controls: tests/test_sagemaker.py (cp with smp's position handling off; ranks with
-different save paths) and the TP refusal here."""
+different save paths), the TP refusal here, and a resume without the optimizer's state (caught)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,9 @@ def test_script_at_world_2_trains_like_world_1_and_resumes(ranks, world1, tmp_pa
     resumed = ranks(2).run(cases.run, mp_parameters=config, argv=[*resume, "--optimizer_loader", loader])
     for f, r in zip(full, resumed):
         assert max(abs(a - b) for a, b in zip(r["losses"], f["losses"][10:])) <= TOL, (f, r)
+    if name == "hsdp":  # negative control: the comparison sees a resume that drops the optimizer's state
+        fresh = ranks(2).run(cases.run, mp_parameters=config, argv=[*resume, "--optimizer_loader", "none"])
+        assert abs(fresh[0]["losses"][1] - full[0]["losses"][11]) > 100 * TOL, (fresh, full)
     # the final full save is a Hugging Face folder
     from transformers import LlamaForCausalLM
 

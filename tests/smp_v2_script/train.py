@@ -56,9 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_kept_checkpoints", type=int, default=1)
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--checkpoint_type", default="sharded", choices=["sharded", "async_sharded"])
-    p.add_argument("--optimizer_loader", default="sharded_optimizer", choices=["sharded_optimizer", "with_model"],
+    p.add_argument("--optimizer_loader", default="sharded_optimizer", choices=["sharded_optimizer", "with_model", "none"],
                    help="sharded_optimizer: torch's load_sharded_optimizer_state_dict (SMP v2 scripts); "
-                        "with_model: in the model's load (what smp asks for under TP)")
+                        "with_model: in the model's load (what smp asks for under TP); none: the test's "
+                        "negative control (the optimizer starts empty)")
     p.add_argument("--model_dir", default=None)
     return p.parse_args(argv)
 
@@ -126,8 +127,9 @@ def train(args) -> dict:
                 state["optimizer"] = load_sharded_optimizer_state_dict(
                     model_state_dict=state["model"], optimizer_key="optimizer",
                     storage_reader=reader(resume_dir))["optimizer"]
-            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
-                model=model, optim=optimizer, optim_state_dict=state["optimizer"]))
+            if args.optimizer_loader != "none":
+                optimizer.load_state_dict(FSDP.optim_state_dict_to_load(
+                    model=model, optim=optimizer, optim_state_dict=state["optimizer"]))
         start = state["total_steps"]
 
     losses, offloaded = [], 0
