@@ -136,9 +136,10 @@ def save_at_pp(config: dict, path: str, export: str, meta_init: bool = False) ->
         return report
 
 
-def resume(configs: list[dict], path: str, model_only: bool = False) -> list[list[float]]:
+def resume(configs: list[dict], path: str, model_only: bool = False, save_to: str | None = None) -> list[list[float]]:
     """For each layout in `configs`: build, load the checkpoint (model + optimizer; only the
-    model with `model_only`, the negative control), train steps 2-3; the losses of each."""
+    model with `model_only`, the negative control), train steps 2-3; the losses of each.
+    `save_to`: the first layout saves what it loaded there (a checkpoint in that layout)."""
     out = []
     for config in configs:
         with smp.session(config):
@@ -146,6 +147,8 @@ def resume(configs: list[dict], path: str, model_only: bool = False) -> list[lis
             model = smp.transform(model_of("llama"))
             opt = _optim(model)
             smp.checkpointing.load(path, model, None if model_only else opt)
+            if save_to is not None and not out:
+                smp.checkpointing.save(save_to, model, opt)
             out.append(_train(model, opt, 2, 4))
     return out
 

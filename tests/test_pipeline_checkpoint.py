@@ -54,12 +54,15 @@ def test_save_at_pp2_resume_at_pp1_pp4_and_tp2_x_fsdp2_export_and_weights(ranks,
     held = [set(r["weights_held"]) for r in saved]
     assert not held[0] & held[1] and "model.embed_tokens.weight" in held[0] and "lm_head.weight" in held[1]
 
-    resumed = ranks(2).run(cases.resume, configs=[{}], path=path)  # pp 1 (FSDP 2)
+    # pp 1 (FSDP 2), which saves the state again in its own layout; that checkpoint resumed
+    # at pp 2 (the optimizer state in torch's nested layout, into a pipelined model).
+    resumed = ranks(2).run(cases.resume, configs=[{}], path=path, save_to=str(tmp_path / "pp1"))
+    resumed += ranks(2).run(cases.resume, configs=[PP2], path=str(tmp_path / "pp1"))
     resumed4 = ranks(4).run(cases.resume, configs=[
         {"pipeline_parallel_degree": 4, "pipeline": "1f1b"}, {"tensor_parallel_degree": 2},
         {**PP2, "pipeline": "interleaved_1f1b"},  # 2 stages per rank, FSDP 2 inside each
     ], path=path)
-    for losses in [*resumed[0], *resumed4[0]]:
+    for losses in [*resumed[0], *resumed[2], *resumed4[0]]:
         assert max(abs(a - b) for a, b in zip(losses, want)) < LOSS_TOL, (losses, want)
     # Negative control: the model alone (AdamW's moments not restored) misses the second step.
     fresh = ranks(2).run(cases.resume, configs=[{}], path=path, model_only=True)[0][0]
