@@ -80,6 +80,54 @@ def test_finetune_two_ranks_resume_and_export(tmp_path):
     assert _records(tuned)[0]["loss"] < losses[0] - 0.5  # starts trained, not from random init
 
 
+PIPELINE_CONFIG = os.path.join(ROOT, "examples", "configs", "pipeline.yaml")
+
+
+def test_pipeline_config_trains_like_one_process(tmp_path, monkeypatch):
+    """examples/configs/pipeline.yaml (2 stages, 1F1B, 4 micro-batches) at world 2, nothing else
+    changed: per-step loss, gradient norm and eval loss equal the one-process run's (1e-5); its
+    checkpoint resumes in one process (no pipeline) to the uninterrupted losses; its export
+    loads with from_pretrained and scores the run's eval loss."""
+    pp, single, resumed = tmp_path / "pp", tmp_path / "single", tmp_path / "resumed"
+    common = ["--steps", "4", "--eval-every", "2", "--no-progress"]
+    proc = _launch("--config", PIPELINE_CONFIG, "--output-dir", str(pp), "--checkpoint-every", "2", *common)
+    assert "pp 2 x" in proc.stdout, proc.stdout[-2000:]
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SMP_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
+    example = _example()
+    example.main(["--output-dir", str(single), "--checkpoint-every", "0", "--no-export", *common])
+    records, expected = _records(pp), _records(single)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        got, want = [r.get(key) for r in records], [r.get(key) for r in expected]
+        assert [g is None for g in got] == [w is None for w in want], key
+        assert [g for g in got if g is not None] == pytest.approx([w for w in want if w is not None], abs=1e-5), key
+
+    example.main(["--output-dir", str(resumed), "--resume", str(pp / "checkpoints" / "step_2"),
+                  "--checkpoint-every", "0", "--no-export", *common])
+    assert [r["loss"] for r in _records(resumed)] == pytest.approx([r["loss"] for r in records[2:]], abs=1e-5)
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(pp / "hf")
+    rows = example.packed_rows([example.builtin_corpus()], example.ByteTokenizer(), 64)
+    held_out = rows[-max(8, rows.shape[0] // 20):][:16]  # what the example evaluates on (2 batches of 8)
+    with torch.no_grad():
+        assert float(model(input_ids=held_out, labels=held_out).loss) == pytest.approx(records[-1]["eval_loss"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_pipeline_resume_at_pp2(tmp_path):
+    """The pipelined run's checkpoint loaded back into 2 stages: the resumed steps repeat the
+    uninterrupted run's losses."""
+    first, resumed = tmp_path / "run", tmp_path / "resumed"
+    common = ["--config", PIPELINE_CONFIG, "--steps", "4", "--eval-every", "0", "--no-export"]
+    _launch("--output-dir", str(first), "--checkpoint-every", "2", *common)
+    _launch("--output-dir", str(resumed), "--resume", str(first / "checkpoints" / "step_2"), "--checkpoint-every", "0",
+            *common)
+    assert [r["loss"] for r in _records(resumed)] == pytest.approx([r["loss"] for r in _records(first)[2:]], abs=1e-5)
+
+
 def test_errors_are_clear(tmp_path):
     ex = _example()
     with pytest.raises(SystemExit, match="--data .*no such file"):
@@ -99,6 +147,10 @@ def test_errors_are_clear(tmp_path):
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(SystemExit, match="line 2 has no 'text' field"):
         ex.read_texts(str(bad), "text")
+    with pytest.raises(SystemExit, match="--grad-accum 2 with pipeline_parallel_degree=2: the pipeline already "
+                                         "accumulates gradients over its micro-batches"):
+        ex.check_args(ex.parse_args(["--config", PIPELINE_CONFIG, "--grad-accum", "2"]), 2)
+    assert ex.check_args(ex.parse_args(["--config", PIPELINE_CONFIG]), 2).pp == 2
     assert ex.check_args(ex.parse_args([]), 2).dp == 2
 
 
