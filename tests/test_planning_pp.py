@@ -92,3 +92,19 @@ def test_pipeline_plan_errors():
     with pytest.raises(ConfigError, match="batch"):
         plan({"pipeline_parallel_degree": 2, "pipeline": {"microbatches": 3}}, tiny_llama_config(num_hidden_layers=4),
              2, micro_batch=8)
+
+
+def test_suggest_keeps_the_pipeline_degree():
+    """suggest() searches the shard group inside each stage: world 8 at pp 2 leaves 4 data-parallel
+    ranks per stage (replicate > shard 2 > full shard 4 in memory)."""
+    from smp.planning import suggest
+
+    cfg = {"pipeline_parallel_degree": 2, "pipeline": {"schedule": "1f1b", "microbatches": 4}}
+    kw = dict(micro_batch=4, seq_len=32)
+    full = plan(cfg, "tiny", 8, **kw)
+    replicate = plan({**cfg, "hybrid_shard_degree": 1}, "tiny", 8, **kw)
+    assert full.device_bytes < replicate.device_bytes
+    limit = (full.device_bytes + replicate.device_bytes) / 2 / 2**30
+    degrees, best = suggest(cfg, "tiny", 8, limit, **kw)
+    assert degrees == {"tensor_parallel_degree": 1, "hybrid_shard_degree": 2}
+    assert best.pipeline["pp"] == 2 and best.device_bytes <= limit * 2**30

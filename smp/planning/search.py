@@ -20,11 +20,12 @@ def suggest(config: ConfigSource, model: str | Any, world_size: int, device_memo
     heads = getattr(model_cfg, "num_key_value_heads", None) or getattr(model_cfg, "num_attention_heads", 1)
     limit = device_memory_gib * GiB
     ep = cfg.expert_parallel_degree
+    pp = cfg.pipeline_parallel_degree  # kept as configured: stages come out of the world first
     tp = 1
     # Expert parallelism does not combine with tensor parallel (docs/expert-parallel.md).
     while tp <= (1 if ep > 1 else min(world_size, 64)):
-        if world_size % tp == 0 and heads % tp == 0:
-            dp = world_size // tp
+        if world_size % (tp * pp) == 0 and heads % tp == 0:
+            dp = world_size // (tp * pp)
             shards = [s for s in (2**i for i in range(dp.bit_length())) if dp % s == 0]
             shards += [dp] if shards[-1] != dp else []  # full shard over every data-parallel rank
             shards = [s for s in shards if s % ep == 0]  # the ep ranks come out of the shard group
