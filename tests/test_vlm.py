@@ -111,12 +111,15 @@ def test_blank_run_summing_every_tower_output_aborts():
     assert r["returncode"] != 0 and "mismatch" in r["tail"], r
 
 
-def test_mixed_batch_on_an_unproven_family_is_refused_on_every_rank(ranks):
-    """Mistral3 (not in PROVEN: its tower takes each image's size) with images on rank 0 only:
-    every rank raises naming the model, its image modules and the proven list."""
-    for error in ranks(2).run(mixed.mixed_batch_refused, config={}, family="mistral3", timeout=300):
-        assert error.startswith("ConfigError") and "(Mistral3Model)" in error, error
-        assert "vision_tower" in error and "proven exact only on" in error, error
+@pytest.mark.parametrize("family,model,modules", [("mistral3", "Mistral3Model", "vision_tower"),
+                                                   ("pix2struct", "Pix2StructForConditionalGeneration", "image encoder")])
+def test_mixed_batch_on_an_unproven_family_is_refused_on_every_rank(ranks, family, model, modules):
+    """Mistral3 (not in PROVEN: its tower takes each image's size) and Pix2Struct (no
+    get_image_features; images as flattened patches) with images on rank 0 only: every rank
+    raises naming the model, its image modules and the proven list."""
+    for error in ranks(2).run(mixed.mixed_batch_refused, config={}, family=family, timeout=300):
+        assert error.startswith("ConfigError") and f"({model})" in error, error
+        assert modules in error and "proven exact only on" in error, error
 
 
 @pytest.mark.parametrize("family", ["clip", "siglip"])

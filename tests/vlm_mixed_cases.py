@@ -1,7 +1,7 @@
 """Rank-side cases for batches where some ranks hold no image, on the image-text families beyond
 LLaVA and Qwen2.5-VL (tests/test_vlm.py): tiny Gemma3, PaliGemma, Idefics3, SmolVLM, Qwen2-VL,
 VipLLaVA, Aya Vision, InternVL and GOT-OCR2 built from transformers configs, and Mistral3 (its
-tower needs each image's size: refused). Each function returns plain data to the test."""
+tower needs each image's size) and Pix2Struct (images as flattened patches): refused. Each function returns plain data to the test."""
 
 from __future__ import annotations
 
@@ -60,6 +60,11 @@ def build(family: str) -> torch.nn.Module:
             vision_feature_layer=-1,
             vision_config=T.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                 num_attention_heads=4, image_size=16, patch_size=8, head_dim=8)))
+    if family == "pix2struct":  # images come as flattened patches (row, column, 12 values each)
+        return T.Pix2StructForConditionalGeneration(T.Pix2StructConfig(
+            text_config=dict(hidden_size=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=256),
+            vision_config=dict(hidden_size=32, d_kv=8, d_ff=64, num_hidden_layers=2, num_attention_heads=4,
+                               patch_embed_hidden_size=12, seq_len=8)))
     if family == "idefics3":
         return T.Idefics3ForConditionalGeneration(T.Idefics3Config(
             text_config=T.LlamaConfig(**TEXT), image_token_id=IMAGE_TOKEN, scale_factor=1,
@@ -76,6 +81,9 @@ def rows(family: str, rank: int, with_images: bool) -> dict:
     patches) then text, or text-only rows; the same on every call (seeded by rank)."""
     g = torch.Generator().manual_seed(1000 + rank)
     ids = torch.randint(3, 240, (ROWS, SEQ), generator=g)
+    if family == "pix2struct":  # an encoder-decoder: the text is the decoder's
+        patches = torch.cat([torch.ones(ROWS, 8, 2), torch.randn(ROWS, 8, 12, generator=g)], -1)
+        return {"decoder_input_ids": ids, **({"flattened_patches": patches} if with_images else {})}
     batch = {"input_ids": ids}
     if family in ("gemma3", "paligemma"):  # the image rows attend bidirectionally: token types
         batch["token_type_ids"] = torch.zeros_like(ids)

@@ -34,6 +34,10 @@ from torch import nn
 from smp.errors import ConfigError
 
 
+# The forward arguments that carry images (Pix2Struct and Kosmos-2.5 take flattened patches).
+IMAGE_INPUTS = ("pixel_values", "flattened_patches", "image_patches")
+
+
 def image_paths(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of each multimodal model inside `model` whose forward takes `pixel_values`
     and runs its image path through `get_image_features` (LlavaModel, Qwen2_5_VLModel,
@@ -140,10 +144,10 @@ class _ImagePathOnEveryRank:
 
     def _has_images(self, args: tuple, kwargs: dict) -> bool:
         try:
-            bound = self.signature.bind_partial(*args, **kwargs)
+            arguments = self.signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
-            return kwargs.get("pixel_values") is not None
-        return bound.arguments.get("pixel_values") is not None
+            arguments = kwargs
+        return any(arguments.get(k) is not None for k in IMAGE_INPUTS)
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         has = self._has_images(args, kwargs)
@@ -163,7 +167,7 @@ class _ImagePathOnEveryRank:
             raise ConfigError(
                 f"some ranks' batches hold images and others' do not, and smp cannot run "
                 f"'{self.name or '<root>'}' ({_user_class_name(module)})'s image path "
-                f"({', '.join(self.towers) or 'get_image_features'}) on a blank image for the text-only "
+                f"({', '.join(self.towers) or 'its image encoder'}) on a blank image for the text-only "
                 f"ranks ({why}): their FSDP units would all-gather on some ranks only. Give every rank "
                 "at least one image per step (e.g. a sampler that mixes image and text rows per rank)."
             )
@@ -188,8 +192,7 @@ def install_image_path_on_every_rank(model: nn.Module, groups: list[dist.Process
         return []
     names = []
     found = image_paths(model)
-    if not found and "pixel_values" in inspect.signature(model.forward).parameters and any(
-            k in n for n, _ in model.named_modules() for k in ("vision", "visual")):
+    if not found and set(IMAGE_INPUTS) & set(inspect.signature(model.forward).parameters):
         found = [("", model)]  # an image path smp cannot run on a blank image: refused when mixed
     for name, module in found:
         hooks = _ImagePathOnEveryRank(name, module, groups)
