@@ -136,10 +136,12 @@ def save_at_pp(config: dict, path: str, export: str, meta_init: bool = False) ->
         return report
 
 
-def resume(configs: list[dict], path: str, model_only: bool = False, save_to: str | None = None) -> list[list[float]]:
+def resume(configs: list[dict], path: str, model_only: bool = False, save_to: str | None = None,
+           export_to: str | None = None) -> list[list[float]]:
     """For each layout in `configs`: build, load the checkpoint (model + optimizer; only the
     model with `model_only`, the negative control), train steps 2-3; the losses of each.
-    `save_to`: the first layout saves what it loaded there (a checkpoint in that layout)."""
+    `save_to`: the first layout saves what it loaded there (a checkpoint in that layout);
+    `export_to`: the last one exports what it loaded there (export_hf)."""
     out = []
     for config in configs:
         with smp.session(config):
@@ -149,6 +151,8 @@ def resume(configs: list[dict], path: str, model_only: bool = False, save_to: st
             smp.checkpointing.load(path, model, None if model_only else opt)
             if save_to is not None and not out:
                 smp.checkpointing.save(save_to, model, opt)
+            if export_to is not None and len(out) == len(configs) - 1:
+                smp.checkpointing.export_hf(export_to, model)
             out.append(_train(model, opt, 2, 4))
     return out
 
@@ -170,3 +174,16 @@ def shifted_stage_names(config: dict, path: str) -> str:
         finally:
             dist.barrier()
         return ""
+
+
+def weights_into(config: dict, export: str) -> float:
+    """`smp.transform(meta model, weights=export)` in this layout vs from_pretrained(export):
+    the largest difference over this rank's parameters and buffers (0.0: bitwise)."""
+    from transformers import AutoModelForCausalLM
+
+    with smp.session(config):
+        pretrained = AutoModelForCausalLM.from_pretrained(export)
+        with torch.device("meta"):
+            meta = model_of("llama")
+        loaded = smp.transform(meta, weights=export)
+        return _max_diff(loaded, {**dict(pretrained.named_parameters()), **dict(pretrained.named_buffers())})

@@ -11,10 +11,24 @@ another layout (losses agree to ~1e-7 in fp32); we assert 1e-5.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import pipeline_checkpoint_cases as cases
 
 LOSS_TOL = 1e-5
+
+
+def _safetensors(folder: str) -> dict[str, bytes]:
+    """Every tensor of an HF folder, as its dtype, shape and raw bytes."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in glob.glob(f"{folder}/*.safetensors"):
+        for name, t in load_file(file).items():
+            out[name] = (str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return out
 PP2 = {"pipeline_parallel_degree": 2, "pipeline": "1f1b"}
 
 
@@ -58,12 +72,17 @@ def test_save_at_pp2_resume_at_pp1_pp4_and_tp2_x_fsdp2_export_and_weights(ranks,
     # at pp 2 (the optimizer state in torch's nested layout, into a pipelined model).
     resumed = ranks(2).run(cases.resume, configs=[{}], path=path, save_to=str(tmp_path / "pp1"))
     resumed += ranks(2).run(cases.resume, configs=[PP2], path=str(tmp_path / "pp1"))
+    interleaved = {**PP2, "pipeline": "interleaved_1f1b"}  # 2 stages per rank, FSDP 2 inside each
     resumed4 = ranks(4).run(cases.resume, configs=[
-        {"pipeline_parallel_degree": 4, "pipeline": "1f1b"}, {"tensor_parallel_degree": 2},
-        {**PP2, "pipeline": "interleaved_1f1b"},  # 2 stages per rank, FSDP 2 inside each
-    ], path=path)
+        {"pipeline_parallel_degree": 4, "pipeline": "1f1b"}, {"tensor_parallel_degree": 2}, interleaved,
+    ], path=path, export_to=str(tmp_path / "hf_interleaved"))
     for losses in [*resumed[0], *resumed[2], *resumed4[0]]:
         assert max(abs(a - b) for a, b in zip(losses, want)) < LOSS_TOL, (losses, want)
+    # The interleaved layout exports the loaded state (its two stages per rank as one folder):
+    # the same tensors, bitwise, as the pp 2 export; its weights= load is bitwise too.
+    exported = _safetensors(export)
+    assert len(exported) == 39 and exported == _safetensors(str(tmp_path / "hf_interleaved"))  # 4 layers x 9 + 3
+    assert ranks(4).run(cases.weights_into, config=interleaved, export=export) == [0.0] * 4
     # Negative control: the model alone (AdamW's moments not restored) misses the second step.
     fresh = ranks(2).run(cases.resume, configs=[{}], path=path, model_only=True)[0][0]
     assert abs(fresh[1] - want[1]) > 100 * LOSS_TOL, (fresh, want)
