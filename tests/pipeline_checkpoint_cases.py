@@ -26,7 +26,9 @@ def model_of(kind: str) -> torch.nn.Module:
         return tiny_llama(num_hidden_layers=4)
     if kind == "plain":
         return TinyTransformer(vocab=VOCAB, layers=4)
-    raise ValueError(kind)
+    from tests.pipeline_cases import tiny_model
+
+    return tiny_model(kind)  # qwen3, mixtral
 
 
 def _batch(step: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ def _safetensors(folder: str) -> dict[str, bytes]:
 PP2 = {"pipeline_parallel_degree": 2, "pipeline": "1f1b"}
 
 
-@pytest.mark.parametrize("kind", ["llama", "plain"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "plain"])
 def test_each_rank_initialises_only_its_stage_bitwise(ranks, kind):
     reports = ranks(2).run(cases.stage_init, config=PP2, kind=kind)
     for report in reports:
