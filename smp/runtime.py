@@ -271,7 +271,8 @@ def shutdown() -> None:
     if _STATE is None:
         return
     st, owns = _STATE, _STATE.owns_process_group
-    mesh_groups = _mesh_groups(st)
+    # (only while the group lives: a script that destroyed it, as SMP v2 scripts do, ends here too)
+    mesh_groups = _mesh_groups(st) if owns and dist.is_initialized() else []
     # The session's objects close first, newest first: a pending async save commits, the
     # watchdog (which polls the store about to go) stops, patches of other libraries revert.
     _scope.close_session(st.scope)

@@ -315,6 +315,28 @@ def test_fsdp1_patch_lives_with_the_session(clean_env):
     assert out == ["torch.distributed.fsdp.fully_sharded_data_parallel"] * 2
 
 
+def test_session_ends_after_the_script_destroyed_its_process_group(tmp_path):
+    """SMP v2 scripts end with dist.destroy_process_group() and never call smp.shutdown: the exit
+    handler tsm.init registers then shuts the session down without an error (it used to fail
+    resolving the destroyed mesh groups) and torch's FSDP1 gets its methods back."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.distributed as dist, smp, smp.sagemaker as tsm\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "tsm.init({'sm_activation_offloading': False})\n"
+        "dist.destroy_process_group()\n"
+        "smp.shutdown()\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as F\n"
+        "print('ended', F.__dict__['optim_state_dict'].__func__.__module__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ended", "torch.distributed.fsdp.fully_sharded_data_parallel"], out
+    assert "smp: " not in out.stderr, out.stderr
+
+
 def test_coordinator_rank_is_read_as_smp_v2_scripts_pass_it(ranks, tmp_path):
     first, second = ranks(2).run(cases.coordinator_global_rank, root=str(tmp_path))
     assert first == {"session": "saved", "torch": "saved"}  # rank 0: both readings agree

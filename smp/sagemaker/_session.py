@@ -11,6 +11,7 @@ import smp
 from smp.config import ConfigSource, SMPConfig
 from smp.errors import SMPWarning
 from smp.mesh import ParallelDims
+from smp.reliability.exit import end_run_at_exit
 from smp.runtime import register_shutdown_hook
 from smp.sagemaker._guide import section
 from smp.sagemaker.dcp_coordinator import CoordinatorPatch
@@ -28,6 +29,9 @@ def init(config: ConfigSource = None) -> None:
     """`torch.sagemaker.init(config)`: `smp.init(config)`. With no config it reads SageMaker's
     $SM_HP_MP_PARAMETERS (the estimator's mp_parameters), else the file in $SMP_CONFIG."""
     st = smp.init(config)
+    # SMP v2 scripts end with dist.destroy_process_group(), never smp.shutdown(): at exit, shut
+    # down and release the mesh groups before the interpreter finalizes (smp/reliability/exit.py)
+    end_run_at_exit(st.mesh, st.dp_mesh)
     for key, message in config_differences(st.config, st.dims):
         if key not in _warned:
             _warned.add(key)
