@@ -310,7 +310,10 @@ and fed inputs of its modality without a processor: image tokens counted from th
 length, raw audio for wav2vec2-style encoders. Losses: the LM loss with labels (image tokens
 unlabelled) for image-text and speech seq2seq, the classification or CTC loss with labels, the
 global-batch contrastive loss (`smp.vision.clip_loss` / `siglip_loss` over embeddings gathered
-with gradient) for CLIP-like models, a feature-map loss for backbones. Cells as above; *mixed
+with gradient) for CLIP-like models, a feature-map loss for backbones. Cells as above, except
+that a gradient gap is taken relative to the reference gradient where that exceeds 1 (the tiny
+default init gives Gemma3's projector gradients of 2e9, where float32 rounding alone is 3e2), and
+a family whose training forward draws random numbers is compared in eval mode and says so; *mixed
 batch* runs image-text families with images on rank 0 only (rank 1's rows are text-only, the same
 labelled length) against one process on the whole batch; *pretrained round trip* is bitwise.
 A family that does not build or train in one process at the tiny shape is skipped with the
