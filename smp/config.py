@@ -388,18 +388,40 @@ class SMPConfig(_Strict):
         if pp == 1:
             return self
         check_pipeline(pipe, pp)
-        others = {
-            "tensor_parallel_degree": self.tensor_parallel_degree,
-            "context_parallel_degree": self.context_parallel_degree,
-            "expert_parallel_degree": self.expert_parallel_degree,
-        }
-        for key, value in others.items():
-            if value > 1:
+        degrees = (
+            f"pipeline_parallel_degree={pp}, tensor_parallel_degree={self.tensor_parallel_degree}, "
+            f"context_parallel_degree={self.context_parallel_degree}, "
+            f"expert_parallel_degree={self.expert_parallel_degree}"
+        )
+        if self.context_parallel_degree > 1:
+            # A stage runs the model's forward on the hidden states it receives: positions come
+            # from the local chunk's length and the schedule's loss shifts labels inside each
+            # rank's chunk, where context parallel needs every stage to get the chunk's global
+            # positions and labels shifted across the whole row.
+            raise ValueError(
+                f"context_parallel_degree > 1 with pipeline_parallel_degree > 1 is not supported ({degrees}): "
+                f"pipeline stages do not carry each sequence chunk's global positions and whole-row label "
+                f"shift from stage to stage; set context_parallel_degree: 1 (more data-parallel or "
+                f"tensor-parallel ranks per stage) or pipeline_parallel_degree: 1"
+            )
+        tp = self.tensor_parallel
+        for key, on, why in (
+            ("sequence_parallel", tp.sequence_parallel,
+             "stages before the last hold no output head to gather the sequence back"),
+            ("loss_parallel", tp.loss_parallel,
+             "the schedule computes the loss on the last stage outside smp.tensor_parallel.loss_parallel()"),
+        ):
+            if self.tensor_parallel_degree > 1 and on:
                 raise ValueError(
-                    f"pipeline_parallel_degree={pp} with {key}={value} is not built yet (smp composes "
-                    f"pipeline stages with FSDP / HSDP only so far); set {key}: 1 or "
-                    f"pipeline_parallel_degree: 1"
+                    f"tensor_parallel.{key}: true with pipeline_parallel_degree={pp} is not supported ({degrees}): "
+                    f"{why}; set tensor_parallel.{key}: false"
                 )
+        if self.moe.moe_load_balancing == "aux_loss":
+            raise ValueError(
+                f"moe.moe_load_balancing 'aux_loss' with pipeline_parallel_degree={pp} is not supported: the "
+                f"load-balancing loss multiplies router statistics summed over every MoE layer and the whole "
+                f"batch, which lie on different stages and micro-batches; set moe: {{moe_load_balancing: none}}"
+            )
         if self.compile.enabled and pipe.schedule in SPLIT_BACKWARD_SCHEDULES:
             raise ValueError(
                 f"pipeline.schedule {pipe.schedule!r} splits each backward into input and weight halves, "

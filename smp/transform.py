@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from smp import runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
 from smp.compile import apply_compile
-from smp.config import MoEConfig, SMPConfig
+from smp.config import ConfigError, MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
@@ -60,6 +60,7 @@ def transform(
         # backward: one all-gather per unit per step instead of two per micro-batch (torchtitan's
         # default under pp), for one unsharded stage's parameters held through the step.
         cfg = cfg.model_copy(update={"reshard_after_forward": False})
+    _check_router_loss(model, moe_config or cfg.moe, st.dims.pp)
     # A meta model is split first; each rank then allocates and initialises only its own
     # stages (sharded, after the recipe), or fills them from `weights`.
     init_device = torch.device("cpu") if cfg.cpu_offload else st.device
@@ -69,7 +70,8 @@ def transform(
         return apply_parallelism(stage, cfg, st.dims, st.mesh, st.device, tp_plan=tp_plan,
                                  materialize=materialize and not on_meta, moe_config=moe_config)
 
-    pipelined = build_pipeline(model, cfg.pipeline, st.mesh["pp"].get_group(), st.device, recipe)
+    dp_group = st.mesh["dp"].get_group() if st.dims.dp > 1 else None  # the step's target count is summed over it
+    pipelined = build_pipeline(model, cfg.pipeline, st.mesh["pp"].get_group(), st.device, recipe, dp_group)
     if weights is not None:
         from smp.checkpointing.hf import load_hf
 
@@ -78,6 +80,23 @@ def transform(
         materialize_stages(model, list(pipelined.stages), init_device, cfg.random_seed,
                            stop_at=frozenset(id(m) for m in layer_modules(model)))
     return pipelined
+
+
+def _check_router_loss(model: nn.Module, moe: MoEConfig, pp: int) -> None:
+    """Refuse a model whose loss includes its MoE load-balancing loss under pipeline parallelism:
+    the last stage's loss is the cross-entropy of its logits, so the auxiliary loss would be
+    dropped, and it multiplies router statistics of every MoE layer (on every stage) over the
+    whole batch (every micro-batch), which no stage holds."""
+    hf_config = getattr(model, "config", None)
+    if not hasattr(hf_config, "output_router_logits"):
+        return  # no transformers load-balancing loss (apply_load_balancing says so if one is asked for)
+    if moe.moe_load_balancing == "aux_loss" or (moe.moe_load_balancing is None and hf_config.output_router_logits):
+        raise ConfigError(
+            f"{type(model).__name__} adds a load-balancing loss (config.output_router_logits=True), which "
+            f"pipeline_parallel_degree={pp} cannot give exactly: it multiplies router statistics summed "
+            f"over every MoE layer and the whole batch, which lie on different stages and micro-batches; "
+            f"turn it off (moe: {{moe_load_balancing: none}})"
+        )
 
 
 def apply_parallelism(

@@ -198,10 +198,12 @@ def test_fsdp_inside_a_stage_gathers_once_per_step(ranks):
         assert report["per_step"] > 2 * report["units"], report
 
 
-def test_split_backward_schedules_with_fsdp_are_refused():
+def test_split_backward_schedules_with_resharding_fsdp_are_refused():
+    # Exact without resharding (tests/test_pipeline_compose.py); refused when FSDP reshards.
     from smp.config import load_config
     from smp.mesh import ParallelDims
 
     for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"):
-        with pytest.raises(smp.ConfigError, match="not supported yet"):
-            ParallelDims.from_config(load_config({**PP2, "pipeline": {"schedule": schedule, "microbatches": 4}}), 4)
+        config = {**PP2, "reshard_after_forward": True, "pipeline": {"schedule": schedule, "microbatches": 4}}
+        with pytest.raises(smp.ConfigError, match="is not supported"):
+            ParallelDims.from_config(load_config(config), 4)

@@ -61,10 +61,12 @@ def test_schedule_combinations_name_the_degrees(pipeline, needle):
     assert needle in str(e.value) and "pipeline_parallel_degree=2" in str(e.value)
 
 
-def test_not_yet_composed_degrees_refused():
-    for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
-        with pytest.raises(smp.ConfigError, match=f"pipeline_parallel_degree=2 with {key}=2 is not built yet"):
-            load_config({**PP2, key: 2})
+def test_composed_and_refused_degrees():
+    # TP and EP compose with pp (tests/test_pipeline_compose.py); context parallel is refused.
+    for key in ("tensor_parallel_degree", "expert_parallel_degree"):
+        assert getattr(load_config({**PP2, key: 2}), key) == 2
+    with pytest.raises(smp.ConfigError, match="context_parallel_degree > 1 with pipeline_parallel_degree > 1"):
+        load_config({**PP2, "context_parallel_degree": 2})
     with pytest.raises(smp.ConfigError, match="torch.compile"):
         load_config({**PP2, "compile": True, "pipeline": {"schedule": "zbv_zero_bubble"}})
 

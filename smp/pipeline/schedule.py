@@ -47,13 +47,15 @@ class PipelinedModel(nn.Module):
     """
 
     def __init__(self, stages: list[nn.Module], infos: list[StageInfo], split: list[StageInfo],
-                 pipe: PipelineConfig, pp_group: dist.ProcessGroup, device: torch.device):
+                 pipe: PipelineConfig, pp_group: dist.ProcessGroup, device: torch.device,
+                 dp_group: dist.ProcessGroup | None = None):
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.stage_infos = infos  # this rank's stages
         self.split = split  # every stage of the pipeline (layers, parameters, FLOPs)
         self.pipe = pipe
         self.pp_group = pp_group
+        self.dp_group = dp_group  # the ranks holding other rows of the batch (None: this rank holds them all)
         self.device = device
         self._schedule: Any = None
         self._loss_fn: Callable | None = None
@@ -136,10 +138,11 @@ class PipelinedModel(nn.Module):
 
 def build_pipeline(
     model: nn.Module, pipe: PipelineConfig, pp_group: dist.ProcessGroup, device: torch.device,
-    recipe: Callable[[nn.Module], nn.Module],
+    recipe: Callable[[nn.Module], nn.Module], dp_group: dist.ProcessGroup | None = None,
 ) -> PipelinedModel:
     """Split `model` into pipeline stages, keep this rank's, and pass each through `recipe`
-    (the rest of smp's parallelism: FSDP over the stage's data-parallel ranks, ...)."""
+    (the rest of smp's parallelism: FSDP over the stage's data-parallel ranks, ...). `dp_group`:
+    the ranks of this stage that hold other rows of the batch (their gradients are averaged)."""
     pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     local = pipe.local_stages()
     parts = find_parts(model)
@@ -147,27 +150,33 @@ def build_pipeline(
     split = plan_split(model, pp * local, pipe.split)
     mine = [split[i] for i in stage_indices(pp_rank, pp, local, pipe.schedule in V_SCHEDULES)]
     stages = [recipe(build_stage_module(model, parts, info)) for info in mine]
-    return PipelinedModel(stages, mine, split, pipe, pp_group, device)
+    return PipelinedModel(stages, mine, split, pipe, pp_group, device, dp_group)
 
 
 def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+         attention_mask: torch.Tensor | None = None,
          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """One training step (forward and backward of every micro-batch) on every rank of the
-    pipeline; returns the batch's loss on every rank. Call `optimizer.step()` after it.
+    pipeline; returns the whole batch's loss on every rank. Call `optimizer.step()` after it.
 
     `input_ids` and `labels` ([batch, seq]; labels default to input_ids) are this rank's
     data-parallel rows, the same on every pipeline rank. By default the loss is the next-token
-    cross-entropy averaged over every target of the batch (labels equal to -100 are ignored),
-    exactly what `model(input_ids, labels=labels).loss` gives on the whole model. A `loss_fn(logits,
-    labels)` returning the mean over its micro-batch is averaged over the micro-batches (the batch
-    mean when every micro-batch weighs the same).
+    cross-entropy averaged over every target of the global batch (labels equal to -100 are
+    ignored; the target count is summed over the micro-batches and the data-parallel ranks),
+    exactly what `model(input_ids, attention_mask=..., labels=labels).loss` gives on the whole
+    model and the whole batch. `attention_mask` ([batch, seq], 1 = token, 0 = padding) must pad
+    on the right; its padding becomes labels of -100. A `loss_fn(logits, labels)` returning the
+    mean over its micro-batch is averaged over the micro-batches (the batch mean when every
+    micro-batch weighs the same).
     """
     if not isinstance(model, PipelinedModel):
         raise UsageError(
             f"smp.pipeline.step expects the model smp.transform returned with pipeline_parallel_degree > 1, "
             f"got {type(model).__name__}"
         )
-    labels = input_ids if labels is None else labels
+    labels = input_ids if labels is None and attention_mask is None else labels
+    if attention_mask is not None:
+        labels = _padding_ignored(input_ids, labels, attention_mask)
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise UsageError(
             f"smp.pipeline.step takes input_ids and labels of one shape [batch, seq]; got "
@@ -182,15 +191,53 @@ def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | 
     if model._schedule is None or model._loss_fn is not loss_fn:
         model._loss_fn = loss_fn
         model._schedule = model._build_schedule(microbatches)
+    dp = 1 if model.dp_group is None else dist.get_world_size(model.dp_group)
     if loss_fn is None:
-        targets = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        model._scale = 1.0 / max(targets, 1)
+        # Divide by the target count of the whole batch (every micro-batch, every data-parallel
+        # rank): ranks whose rows hold fewer targets (padding) weigh less, as in one process.
+        # FSDP averages the data-parallel ranks' gradients, hence the factor dp.
+        targets = (labels[:, 1:] != IGNORE_INDEX).sum().to(model.device, torch.float64)
+        if model.dp_group is not None:
+            dist.all_reduce(targets, group=model.dp_group)
+        model._scale = dp / max(float(targets), 1.0)
     else:
         model._scale = 1.0 / microbatches
     input_ids, labels = input_ids.to(model.device), labels.to(model.device)
     losses: list[torch.Tensor] = []
     model._schedule.step(input_ids, target=labels, losses=losses)
     total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=model.device)
-    # Only the rank holding the last stage has the losses: a sum over the pipeline gives it to all.
+    # Only the rank holding the last stage has the losses: a sum over the pipeline gives it to all,
+    # then the mean over the data-parallel ranks (each rank's share already weighed by dp).
     dist.all_reduce(total, group=model.pp_group)
+    if model.dp_group is not None:
+        dist.all_reduce(total, group=model.dp_group)
+        total /= dp
     return total
+
+
+def _padding_ignored(input_ids: torch.Tensor, labels: torch.Tensor | None,
+                     attention_mask: torch.Tensor) -> torch.Tensor:
+    """`labels` (default: input_ids) with the padding of a right-padded `attention_mask` set to
+    -100. Stages run causal attention over whole rows: for a token followed only by padding that
+    equals the masked attention, so the loss is exact; left padding (or holes) is refused."""
+    if attention_mask.shape != input_ids.shape:
+        raise UsageError(
+            f"smp.pipeline.step: attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    mask = attention_mask.to(torch.bool)
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise UsageError(
+            "smp.pipeline.step takes right-padded rows only (attention_mask 1 ... 1 0 ... 0): pipeline "
+            "stages run causal attention over the whole row, which equals the masked attention only "
+            "for tokens that no padding precedes; pad on the right (tokenizer.padding_side = 'right')"
+        )
+    if labels is None:
+        return input_ids.masked_fill(~mask, IGNORE_INDEX)
+    # A target predicted from a padding position would need the mask: refuse it.
+    if (~mask[:, :-1] & (labels[:, 1:] != IGNORE_INDEX)).any():
+        raise UsageError(
+            "smp.pipeline.step: labels at padding positions (attention_mask 0) must be -100: the "
+            "stages do not mask attention, so a loss on padding would differ from the masked model's"
+        )
+    return labels
