@@ -7,7 +7,9 @@
   DTensor-sharded one (FSDP2's own); LOCAL_STATE_DICT is refused.
 - `FSDP.optim_state_dict(model, optimizer)`: the optimizer state dict of that kind;
   `FSDP.optim_state_dict_to_load(model, optimizer, osd)` loads it into the optimizer and returns
-  the optimizer's state dict (so the script's `optimizer.load_state_dict(...)` changes nothing).
+  the optimizer's state dict (so the script's `optimizer.load_state_dict(...)` changes nothing);
+  it also takes what torch's `load_sharded_optimizer_state_dict` returns (FSDP1 ShardedTensors,
+  made whole: exact under data parallelism, refused under TP / EP / PP).
 - `FullyShardedDataParallel(model, ...)` of such a model raises MigrationError (delete the wrap).
 - `offload_wrapper(model)` returns the model: smp's transform already offloads its activations
   (SMP v2 too answered this call with its own offloading).
@@ -149,18 +151,20 @@ def _whole_from_sharded_tensors(osd: dict[str, Any]) -> dict[str, Any]:
     Exact when every rank's folder holds every tensor whole: a checkpoint saved by the data-
     parallel ranks of one replica. Under tensor or expert parallelism SMP v2 scripts save one
     folder per TP / EP rank holding only that rank's slices, so the chunk a rank reads from its
-    folder lacks the other slices: refused, naming the load that works."""
+    folder lacks the other slices (and under pipelining the stages hold different tensors):
+    refused, naming the load that works."""
     import smp
 
     st = smp.state
-    if st.tp_size > 1 or st.ep_size > 1:
+    if st.tp_size > 1 or st.ep_size > 1 or st.pp_size > 1:
         raise MigrationError(
             "FSDP.optim_state_dict_to_load(model, optimizer, osd) with the ShardedTensors of "
             "torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict under "
-            f"tensor_parallel_degree {st.tp_size} / expert_parallel_degree {st.ep_size}: that "
-            "loader cuts each tensor in row chunks over all ranks and reads each rank's chunk "
-            "from its own per-TP/EP-rank folder, which holds only that rank's slice, so parts of "
-            "the state would be read by no rank. Load the optimizer with the model instead: "
+            f"tensor_parallel_degree {st.tp_size} / expert_parallel_degree {st.ep_size} / "
+            f"pipeline_parallel_degree {st.pp_size}: that loader cuts each tensor in row chunks "
+            "over all ranks and reads each rank's chunk from its own per-TP/EP-rank folder, which "
+            "holds only that rank's slice (under pipelining, the ranks hold different tensors), "
+            "so parts of the state would be read by no rank. Load the optimizer with the model instead: "
             "state = {'optimizer': FSDP.optim_state_dict(model, optimizer), ...}; "
             "state_dict_loader.load(state, ...) (or torch.distributed.checkpoint.load); "
             "FSDP.optim_state_dict_to_load(model, optimizer, state['optimizer']) "
