@@ -84,6 +84,8 @@ def export_hf(
     # ranks write one folder together (each its stages' tensors, rank 0 consolidates).
     model, _, pp_group = stages_view(model)
     state = _one_copy_of_tied(get_model_state_dict(model), model)
+    if pp_group is None:  # a pipeline's stages hold different tensors: not decidable alone on each rank
+        _refuse_integer_tensors(state, out_dir)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     sizes = [(k, v.numel() * v.element_size()) for k, v in state.items()]
@@ -115,6 +117,20 @@ def export_hf(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _refuse_integer_tensors(state: dict[str, torch.Tensor], out_dir: str) -> None:
+    """torch's safetensors consolidation (checked on 2.13) sizes every tensor with
+    `torch.finfo`, which fails on integer dtypes after every rank has written its part. Refused
+    first, on every rank (the names are the same everywhere), naming the tensors."""
+    integers = sorted(k for k, v in state.items() if not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool))
+    if integers:
+        raise CheckpointError(
+            f"export_hf {out_dir!r}: torch's safetensors consolidation cannot write integer tensors: "
+            f"{', '.join(integers[:4])}{' ...' if len(integers) > 4 else ''} ({len(integers)}; BatchNorm's "
+            "num_batches_tracked is one). Save with transformers' save_pretrained from the full state dict on rank 0 "
+            "(torch.distributed.checkpoint.state_dict.get_model_state_dict with full_state_dict=True), or smp.checkpointing.save "
+            "to resume.")
 
 
 def _write_scalars(directory: str, scalars: dict[str, torch.Tensor]) -> None:
