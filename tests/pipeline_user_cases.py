@@ -15,17 +15,17 @@ def state_coordinates(config: dict) -> dict:
 
 
 def evaluate_vs_one_process(config: dict, steps: int = 2) -> dict:
-    """smp.pipeline.evaluate (forward only) between training steps vs the whole model's loss in
-    eval mode, in one process on the same rows; and what evaluating leaves behind (gradients,
-    the next training step's loss and gradients)."""
+    """smp.pipeline.evaluate (forward only, right-padded rows) between training steps vs the whole
+    model's masked loss in eval mode, in one process on the whole batch; and what evaluating
+    leaves behind (gradients, the next training step's loss and gradients)."""
     import copy
 
     import torch
 
     import smp.pipeline
     from smp.testing.distributed import full_tensor, local_rows
-    from tests.pipeline_cases import GLOBAL_BATCH, SEQ, VOCAB, reference_loss, tiny_model
     from smp.testing.models import random_batch
+    from tests.pipeline_cases import GLOBAL_BATCH, SEQ, VOCAB, reference_loss, tiny_model
 
     with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
@@ -35,14 +35,23 @@ def evaluate_vs_one_process(config: dict, steps: int = 2) -> dict:
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         ref_params = dict(reference.named_parameters())
         batch, held_out = (random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=s) for s in (100, 7))
+        # Held-out rows right-padded by different amounts (row r ends in r padding positions): the
+        # loss counts only their tokens' targets, over the whole batch.
+        mask = torch.ones(GLOBAL_BATCH, SEQ, dtype=torch.long)
+        for row in range(1, GLOBAL_BATCH):
+            mask[row, SEQ - row:] = 0
         report = {"eval_diff": 0.0, "loss_diff": 0.0, "grad_diff": 0.0, "grads_after_eval": 0, "eval_losses": []}
         for _ in range(steps):
             model.eval(), reference.eval()
-            loss = smp.pipeline.evaluate(model, local_rows(held_out))
+            loss = smp.pipeline.evaluate(model, local_rows(held_out), attention_mask=local_rows(mask))
             with torch.no_grad():
-                ref_eval = float(reference_loss(reference, held_out))
+                ref_eval = float(reference(input_ids=held_out, attention_mask=mask,
+                                           labels=held_out.masked_fill(mask == 0, -100)).loss)
             report["eval_losses"].append(ref_eval)
             report["eval_diff"] = max(report["eval_diff"], abs(float(loss) - ref_eval))
+            # The control: the same rows without their mask (padding counted as targets).
+            unmasked = smp.pipeline.evaluate(model, local_rows(held_out))
+            report["unmasked_diff"] = min(report.get("unmasked_diff", 1.0), abs(float(unmasked) - ref_eval))
             report["grads_after_eval"] += sum(p.grad is not None for p in model.parameters())
             model.train(), reference.train()
             loss = smp.pipeline.step(model, local_rows(batch))

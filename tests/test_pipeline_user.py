@@ -35,12 +35,16 @@ def test_coverage_column_catches_an_unscaled_microbatch_loss(ranks):
         assert report["grad_diff"] > 100 * coverage.TOL, report
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b"])
-def test_evaluate_is_the_forward_loss_and_leaves_training_exact(ranks, schedule):
-    """smp.pipeline.evaluate between training steps equals the whole model's eval loss in one
-    process (1e-5), writes no gradient, and the training steps around it stay exact."""
-    reports = ranks(2).run(cases.evaluate_vs_one_process, config={"pipeline_parallel_degree": 2, "pipeline": schedule})
+@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (2, "gpipe"), (2, "interleaved_1f1b"), (4, "1f1b")],
+                         ids=["1f1b", "gpipe", "interleaved", "1f1b-fsdp2"])
+def test_evaluate_is_the_forward_loss_and_leaves_training_exact(ranks, world, schedule):
+    """smp.pipeline.evaluate of right-padded rows between training steps equals the whole
+    model's masked eval loss on the whole batch in one process (1e-5), also with 2 data-parallel
+    ranks per stage; it writes no gradient, and the training steps around it stay exact."""
+    config = {"pipeline_parallel_degree": 2, "pipeline": schedule}
+    reports = ranks(world).run(cases.evaluate_vs_one_process, config=config)
     for r in reports:
         assert r["eval_diff"] < 1e-5 and r["loss_diff"] < 1e-5 and r["grad_diff"] < 1e-5, r
         assert r["grads_after_eval"] == 0, r
+        assert r["unmasked_diff"] > 1e-3, r  # the control: padding counted as targets is caught
     assert reports[0]["eval_losses"][1] != reports[0]["eval_losses"][0]  # the step between them changed the model

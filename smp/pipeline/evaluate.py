@@ -8,26 +8,29 @@ import torch.distributed as dist
 
 from smp.config import check_pipeline
 from smp.errors import ConfigError, UsageError
-from smp.pipeline.schedule import IGNORE_INDEX, PipelinedModel
+from smp.pipeline.schedule import IGNORE_INDEX, PipelinedModel, _padding_ignored
 
 
 @torch.no_grad()
-def evaluate(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-    """The loss of one batch from the forward pass alone, on every rank of the pipeline:
-    next-token cross-entropy averaged over every target (labels of -100 ignored), what
-    `model(input_ids, labels=labels).loss` gives on the whole model. Gradients are untouched.
-    Put the model in eval mode first (`model.eval()`) when its forward has dropout.
+def evaluate(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss of the whole batch from the forward pass alone, on every rank: next-token
+    cross-entropy averaged over every target of the global batch (labels of -100 ignored, the
+    count summed over the data-parallel ranks), what `model(input_ids, labels=labels).loss`
+    gives on the whole model and batch. Gradients are untouched. Put the model in eval mode
+    first (`model.eval()`) when its forward has dropout.
 
-    `input_ids` and `labels` ([batch, seq]; labels default to input_ids) are this rank's
-    data-parallel rows, the same on every pipeline rank, split into the config's micro-batches
-    as `smp.pipeline.step` splits them.
+    The arguments are `smp.pipeline.step`'s: this rank's data-parallel rows, the same on every
+    pipeline rank, split into the config's micro-batches; a right-padded `attention_mask`.
     """
     if not isinstance(model, PipelinedModel):
         raise UsageError(
             f"smp.pipeline.evaluate expects the model smp.transform returned with pipeline_parallel_degree > 1, "
             f"got {type(model).__name__}; evaluate any other model with model(input_ids, labels=labels).loss"
         )
-    labels = input_ids if labels is None else labels
+    labels = input_ids if labels is None and attention_mask is None else labels
+    if attention_mask is not None:
+        labels = _padding_ignored(input_ids, labels, attention_mask)
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise UsageError(
             f"smp.pipeline.evaluate takes input_ids and labels of one shape [batch, seq]; got "
@@ -42,10 +45,19 @@ def evaluate(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tenso
     if model._schedule is None or model._loss_fn is not None:  # the default (token-mean) loss
         model._loss_fn = None
         model._schedule = model._build_schedule(microbatches)
-    model._scale = 1.0 / max(int((labels[:, 1:] != IGNORE_INDEX).sum()), 1)
+    # As smp.pipeline.step weighs it: each rank's share of the global batch's target count, times
+    # dp, so that the mean over the data-parallel ranks below is the global batch's loss.
+    dp = 1 if model.dp_group is None else dist.get_world_size(model.dp_group)
+    targets = (labels[:, 1:] != IGNORE_INDEX).sum().to(model.device, torch.float64)
+    if model.dp_group is not None:
+        dist.all_reduce(targets, group=model.dp_group)
+    model._scale = dp / max(float(targets), 1.0)
     input_ids, labels = input_ids.to(model.device), labels.to(model.device)
     losses: list[torch.Tensor] = []
     model._schedule.eval(input_ids, target=labels, losses=losses)
     total = torch.stack([loss.float() for loss in losses]).sum() if losses else torch.zeros((), device=model.device)
     dist.all_reduce(total, group=model.pp_group)  # only the last stage's rank has the losses
+    if model.dp_group is not None:
+        dist.all_reduce(total, group=model.dp_group)
+        total /= dp
     return total
