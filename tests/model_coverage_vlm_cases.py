@@ -387,11 +387,13 @@ def training_forward_is_random(model: torch.nn.Module, kind: str, parts: list[di
     torch.set_rng_state(state)
     return losses[0] != losses[1]
 
-def equivalence(config: dict, family: str, kind: str, delayed: bool = False, skip_tower: bool = False) -> dict:
+def equivalence(config: dict, family: str, kind: str, delayed: bool = False, skip_tower: bool = False,
+                frozen_norms: bool = False) -> dict:
     """`family` transformed under `config` vs the same model in one process, one SGD step on
     one global batch: loss, gradient and parameter gaps and what the mode did. `skip_tower`
     (negative control) drops the images of this rank's rows on every rank but the first, so
-    that the one-process run sees images the transformed one never computes."""
+    that the one-process run sees images the transformed one never computes. `frozen_norms`
+    puts every BatchNorm layer in eval mode (its running statistics), in both models."""
     with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         reference = build_vision(family, kind)
@@ -408,6 +410,12 @@ def equivalence(config: dict, family: str, kind: str, delayed: bool = False, ski
             reference.eval()
         model = smp.transform(model)
         model.train(reference.training)
+        if frozen_norms:
+            from smp.sharding.batch_norm import BATCH_NORMS
+
+            for m in (*model.modules(), *reference.modules()):
+                if isinstance(m, BATCH_NORMS):
+                    m.eval()
         report = {"param_diff": _param_diff(model, reference)}
         group = smp.state.dp_mesh.get_group() if kind == "contrastive" else None
         local = local_part(parts)
@@ -451,9 +459,10 @@ def _guarded(run) -> dict:
         return {"status": "crash", "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
 
 
-def classify(config: dict, family: str, kind: str, delayed: bool = False, skip_tower: bool = False) -> dict:
+def classify(config: dict, family: str, kind: str, delayed: bool = False, skip_tower: bool = False,
+             frozen_norms: bool = False) -> dict:
     """One cell of the section, statuses as model_coverage_cases.classify's."""
-    return _guarded(lambda: _status(equivalence(config, family, kind, delayed, skip_tower), config, delayed))
+    return _guarded(lambda: _status(equivalence(config, family, kind, delayed, skip_tower, frozen_norms), config, delayed))
 
 
 def mixed_batch(config: dict, family: str, kind: str, image_ranks: tuple[int, ...] = (0,)) -> dict:

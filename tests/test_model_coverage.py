@@ -213,3 +213,25 @@ def test_vision_section_renders_with_the_page():
     assert "| image-classification | exact |" in row and "refused [" in row and "not run [" in row
     assert "- swin (image-classification): does not run" in page
     assert "refused: ConfigError: no plan" in page.split("## Reasons")[1]
+
+
+def test_batch_norm_in_training_mode_is_refused(ranks):
+    """BatchNorm normalises each rank's rows with their own statistics in training mode, which
+    differs from one process on the global batch (the vision matrix found ResNet, RegNet and
+    MobileNet 1e-2 off): refused on every rank, naming the layer and the fixes."""
+    from tests import model_coverage_vlm_cases as vcases
+
+    for result in ranks(2).run(vcases.classify, family="resnet", kind="image-classification", timeout=240,
+                               **cases.MODES["fsdp"]):
+        assert result["status"] == "refused", result
+        assert "(BatchNorm2d) normalises with the batch statistics" in result["detail"], result
+
+
+def test_batch_norm_with_frozen_statistics_is_exact(ranks):
+    """Control: the same ResNet with its BatchNorm layers in eval mode (frozen statistics) runs
+    and matches one process."""
+    from tests import model_coverage_vlm_cases as vcases
+
+    for result in ranks(2).run(vcases.classify, family="resnet", kind="image-classification", frozen_norms=True,
+                               timeout=240, **cases.MODES["fsdp"]):
+        assert result["status"] == "exact", result

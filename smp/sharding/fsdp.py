@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from smp.config import canonical_dtype
+from smp.sharding.batch_norm import refuse_batch_statistics
 from smp.sharding.scalars import average_scalar_gradients, scalar_parameters
 from smp.tensor_parallel.styles import fsdp_shard_placement
 from smp.vision.mixed_batches import install_image_path_on_every_rank
@@ -92,4 +93,6 @@ def apply_fsdp(
     # A VLM's vision-tower units run on every rank, also where a batch holds no image
     # (smp/vision/mixed_batches.py): otherwise they all-gather on some ranks only.
     install_image_path_on_every_rank(model, [mesh.get_group(i) for i in range(mesh.ndim)] if mesh.size() > 1 else [])
+    # BatchNorm in training mode would normalise each rank's rows alone (smp/sharding/batch_norm.py).
+    refuse_batch_statistics(model, mesh.size())
     return model

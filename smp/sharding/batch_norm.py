@@ -1,0 +1,50 @@
+"""Batch statistics under data parallelism: refused in training mode.
+
+BatchNorm in training mode normalises with the mean and variance of the rows it sees and
+updates its running averages from them. With the batch split over data-parallel ranks each rank
+sees only its own rows, so the outputs, the gradients and the running statistics all differ
+from one process on the global batch (a tiny ResNet at world 2: loss 1.5e-2 off), silently.
+torch's SyncBatchNorm computes the statistics over every rank's rows, on accelerators only.
+
+smp refuses the forward of such a layer in training mode: a pre-forward hook raises on every
+rank at the same layer (the module tree and its mode are the same everywhere), before it runs,
+naming it and the fixes. A layer in eval mode (frozen statistics, as a pretrained backbone is
+often fine-tuned) normalises with its running averages, as in one process, and runs (one
+without running averages, `track_running_stats=False`, uses the batch's statistics in eval
+mode too, and is refused there as well).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+
+from smp.errors import ConfigError
+
+# torch's BatchNorm layers (SyncBatchNorm, which computes global statistics, is none of these)
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+               nn.LazyBatchNorm3d)
+
+
+def refuse_batch_statistics(model: nn.Module, dp_size: int) -> list[str]:
+    """Hook every BatchNorm layer of `model` to refuse a training-mode forward when the batch
+    is split over `dp_size` > 1 ranks; returns the hooked layers' names."""
+    if dp_size <= 1:
+        return []
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, BATCH_NORMS):
+            module.register_forward_pre_hook(partial(_refuse, name or "<root>", dp_size))
+            names.append(name)
+    return names
+
+
+def _refuse(name: str, dp_size: int, module: nn.Module, args: tuple) -> None:
+    if module.training or module.running_mean is None:  # normalises with this batch's statistics
+        raise ConfigError(
+            f"'{name}' ({type(module).__name__}) normalises with the batch statistics of this rank's rows in "
+            f"training mode: with the batch split over {dp_size} data-parallel ranks its outputs, gradients and "
+            "running statistics differ from one process on the global batch. Freeze its statistics (call .eval() "
+            "on the BatchNorm layers after model.train()), replace it with GroupNorm / LayerNorm, or on GPUs "
+            "convert it with torch.nn.SyncBatchNorm.convert_sync_batchnorm before smp.transform.")
