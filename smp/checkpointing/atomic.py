@@ -179,6 +179,13 @@ def commit(path: str, kind: str = "sharded", run_id: str | None = None) -> None:
     else:
         os.rename(tmp, path)
     _fsync_dir(os.path.dirname(path))
+    # The commit marker now names the run; the partial marker was only for the unfinished
+    # folder, and an exported folder goes to users (the Hub) without smp's scratch files. A
+    # crash before this line leaves it in a committed folder, where nothing reads it.
+    try:
+        os.remove(os.path.join(path, PARTIAL_FILE))
+    except FileNotFoundError:
+        pass
 
 
 def _marker(path: str) -> dict:
