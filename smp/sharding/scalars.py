@@ -16,7 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 def scalar_parameters(model: nn.Module) -> set[nn.Parameter]:
-    return {p for p in model.parameters() if p.dim() == 0}
+    """0-d parameters, and empty ones (DINOv3's `register_tokens` of shape (1, 0, d) at its
+    default of no registers), which FSDP2's gradient reduce-scatter cannot take
+    (`_chunk_cat expects non-empty tensor`): both kept whole on every rank."""
+    return {p for p in model.parameters() if p.dim() == 0 or p.numel() == 0}
 
 
 def average_scalar_gradients(params: set[nn.Parameter], mesh: DeviceMesh) -> None:
