@@ -54,7 +54,7 @@ def test_script_at_world_2_trains_like_world_1_and_resumes(ranks, world1, tmp_pa
     # the step-10 checkpoint (rotation kept 1) resumes to the uninterrupted losses
     assert sorted(p.name for p in ckpt.iterdir()) == ["llama-10steps"]
     resume = ["--resume_from_checkpoint", str(ckpt / "llama-10steps"), "--checkpoint_type", checkpoint_type]
-    if loader == "with_model" and name == "tp2":  # SMP v2's optimizer loader is refused on every rank under TP
+    if name == "tp2":  # SMP v2's optimizer loader is refused on every rank under TP
         for message in ranks(2).run(cases.refusal, mp_parameters=config, argv=resume):
             assert "load_sharded_optimizer_state_dict" in message and "tensor_parallel_degree 2" in message, message
     resumed = ranks(2).run(cases.run, mp_parameters=config, argv=[*resume, "--optimizer_loader", loader])
