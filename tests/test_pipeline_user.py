@@ -35,8 +35,8 @@ def test_coverage_column_catches_an_unscaled_microbatch_loss(ranks):
         assert report["grad_diff"] > 100 * coverage.TOL, report
 
 
-@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (2, "gpipe"), (2, "interleaved_1f1b"), (4, "1f1b")],
-                         ids=["1f1b", "gpipe", "interleaved", "1f1b-fsdp2"])
+@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (2, "interleaved_1f1b"), (4, "1f1b")],
+                         ids=["1f1b", "interleaved", "1f1b-fsdp2"])
 def test_evaluate_is_the_forward_loss_and_leaves_training_exact(ranks, world, schedule):
     """smp.pipeline.evaluate of right-padded rows between training steps equals the whole
     model's masked eval loss on the whole batch in one process (1e-5), also with 2 data-parallel
