@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_kept_checkpoints", type=int, default=1)
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--checkpoint_type", default="sharded", choices=["sharded", "async_sharded"])
-    p.add_argument("--optimizer_loader", default="sharded_optimizer", choices=["sharded_optimizer", "with_model", "none"],
+    p.add_argument("--optimizer_loader", default="sharded_optimizer",
+                   choices=["sharded_optimizer", "with_model", "none"],
                    help="sharded_optimizer: torch's load_sharded_optimizer_state_dict (SMP v2 scripts); "
                         "with_model: in the model's load (what smp asks for under TP); none: the test's "
                         "negative control (the optimizer starts empty)")
