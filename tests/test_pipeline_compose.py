@@ -1,7 +1,7 @@
 """Pipeline parallelism composed with the rest of smp, vs the single-process run: PP 2 x TP 2,
-PP 2 x EP 2 (Mixtral), the zero-bubble / V schedules under FSDP, right-padded batches under
-PP 2 x FSDP 2 (all at world 4), PP 2 x TP 2 x FSDP 2 at world 8 (slow); the compositions smp
-refuses, with their reasons; a negative control beside each equivalence.
+PP 2 x EP 2 (Mixtral), the zero-bubble / V schedules under FSDP, right-padded batches (under
+FSDP, TP, EP and replicas), all at world 4; PP 2 x TP 2 x FSDP 2 at world 8 (slow); the
+compositions smp refuses, with their reasons; a negative control beside each equivalence.
 
 Tolerances (fp32): 1e-5 on the loss and on every gradient, as in tests/test_pipeline.py
 (measured: loss <= 1.5e-6, gradients <= 1e-7). The negative controls move them by > 1e-2.
@@ -37,10 +37,11 @@ def _assert_caught(reports):
 # PP 2 x TP 2 (world 4), PP 2 x TP 2 x FSDP 2 (world 8)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_pp2_x_tp2_matches_one_process(ranks, schedule):
-    reports = ranks(4).run(cases.compose, config={**PP2, "tensor_parallel_degree": 2, "pipeline": schedule})
-    _assert_exact(reports, sharded_over={"tp"})
+@pytest.mark.parametrize("schedule, padded", [("1f1b", False), ("interleaved_1f1b", True)],
+                         ids=["1f1b", "interleaved-padded"])
+def test_pp2_x_tp2_matches_one_process(ranks, schedule, padded):
+    config = {**PP2, "tensor_parallel_degree": 2, "pipeline": {"schedule": schedule, "microbatches": 4}}
+    _assert_exact(ranks(4).run(cases.compose, config=config, padded=padded), sharded_over={"tp"})
 
 
 def test_tp_group_fed_different_rows_is_caught(ranks):
@@ -69,8 +70,8 @@ def test_tp_options_that_do_not_compose_are_refused(key):
 
 
 def test_pp2_x_ep2_mixtral_matches_one_process(ranks):
-    reports = ranks(4).run(cases.compose, config={**PP2, "expert_parallel_degree": 2, "pipeline": "1f1b"},
-                           kind="mixtral")
+    config = {**PP2, "expert_parallel_degree": 2, "pipeline": {"schedule": "1f1b", "microbatches": 4}}
+    reports = ranks(4).run(cases.compose, config=config, kind="mixtral", padded=True)
     _assert_exact(reports, sharded_over={"ep"})
 
 
@@ -88,10 +89,13 @@ def test_load_balancing_loss_across_stages_is_refused(ranks):
 # Split-backward (zero-bubble, V) schedules under FSDP
 
 
-@pytest.mark.parametrize("schedule", SPLIT_BACKWARD)
-def test_split_backward_schedules_x_fsdp2_match_one_process(ranks, schedule):
+@pytest.mark.parametrize("schedule, replicate", [(s, False) for s in SPLIT_BACKWARD] + [("zbv_zero_bubble", True)],
+                         ids=[*SPLIT_BACKWARD, "zbv-replicate2-padded"])
+def test_split_backward_schedules_x_fsdp2_match_one_process(ranks, schedule, replicate):
     config = {**PP2, "pipeline": {"schedule": schedule, "microbatches": 4}}
-    _assert_exact(ranks(4).run(cases.compose, config=config), sharded_over={"dp_shard"})
+    if replicate:  # HSDP with 2 replicas of 1 shard; padded rows: the replicas hold different target counts
+        config["hybrid_shard_degree"] = 1
+    _assert_exact(ranks(4).run(cases.compose, config=config, padded=replicate))
 
 
 def test_split_backward_with_resharding_is_caught_and_refused(ranks):
