@@ -93,7 +93,8 @@ def _compare(model, reference, steps: int, padded: bool, broken: str | None) -> 
             ref_loss = reference(input_ids=ids, labels=ids).loss
         loss_fn = _mean_ce if broken == "microbatch_mean" else None
         local_mask = None if mask is None else _rows(mask)
-        loss = smp.pipeline.step(model, _rows(ids, shift=broken == "tp_rows"), attention_mask=local_mask, loss_fn=loss_fn)
+        rows = _rows(ids, shift=broken == "tp_rows")
+        loss = smp.pipeline.step(model, rows, attention_mask=local_mask, loss_fn=loss_fn)
         ref_loss.backward()
         report["losses"].append(float(ref_loss.detach()))
         report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss.detach())))

@@ -101,7 +101,8 @@ def test_split_backward_schedules_x_fsdp2_match_one_process(ranks, schedule, rep
 def test_split_backward_with_resharding_is_caught_and_refused(ranks):
     """Negative control: resharding after forward loses weight gradients that the schedule
     computes after a later micro-batch's forward; the config check refuses it."""
-    config = {**PP2, "reshard_after_forward": True, "pipeline": {"schedule": "interleaved_zero_bubble", "microbatches": 4}}
+    config = {**PP2, "reshard_after_forward": True,
+              "pipeline": {"schedule": "interleaved_zero_bubble", "microbatches": 4}}
     _assert_caught(ranks(4).run(cases.compose, config=config, broken="resharded", steps=1))
     for schedule in SPLIT_BACKWARD:
         config["pipeline"]["schedule"] = schedule
