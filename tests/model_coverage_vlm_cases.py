@@ -97,8 +97,8 @@ def _shrink(d: dict, specials: list[int]) -> dict:
                 out[key]["rope_parameters"] = {"mrope_section": [2, 2, 4], **out[key]["rope_parameters"]}
         elif key in TINY and value is not None and type(value) is type(TINY[key]):
             out[key] = TINY[key]
-        elif key in TINY and isinstance(TINY[key], int) and isinstance(value, list) and value \
-                and all(isinstance(v, int) for v in value):
+        elif key in TINY and isinstance(TINY[key], int) and isinstance(value, list) \
+                and len(value) == d.get("num_hidden_layers") and all(isinstance(v, int) for v in value):
             out[key] = [TINY[key]] * TINY["num_hidden_layers"]  # one per layer
         elif key in STAGE_LISTS and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
             out[key] = [STAGE_LISTS[key] * (1 if key == "depths" else i + 1) for i in range(len(value))]
@@ -122,7 +122,7 @@ def _shrink(d: dict, specials: list[int]) -> dict:
                 out[key] = value
         else:
             out[key] = value
-    if isinstance(out.get("image_size"), int) and isinstance(out.get("patch_size"), int):
+    if isinstance(out.get("image_size"), int) and isinstance(out.get("patch_size"), int) and "depths" not in out:
         out["image_size"] = 4 * out["patch_size"]  # 4 x 4 patches: every merge / pooling of 2 or 4 divides it
     elif isinstance(out.get("image_size"), int):
         out["image_size"] = min(out["image_size"], 64)  # a convolutional stack: 64 x 64 pixels
