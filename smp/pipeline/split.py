@@ -80,6 +80,8 @@ def find_parts(model: nn.Module) -> ModelParts:
     config = getattr(model, "config", None)
     pp_plan = getattr(config, "base_model_pp_plan", None)
     base = getattr(model, "base_model", None)
+    if isinstance(base, nn.Module) and base is not model and not pp_plan:
+        pp_plan = _inferred_pp_plan(base)
     if pp_plan and isinstance(base, nn.Module) and base is not model:
         prefix = next(name for name, m in model.named_children() if m is base)
         keys = list(pp_plan)
@@ -117,6 +119,22 @@ def find_parts(model: nn.Module) -> ModelParts:
     return ModelParts(
         layers=children[at][0], first=[n for n, _ in children[:at]], last=[n for n, _ in children[at + 1:]], hf=False
     )
+
+
+def _inferred_pp_plan(base: nn.Module) -> list[str] | None:
+    """The base_model_pp_plan a transformers model without one would have, read off its
+    children: what holds parameters before its one `layers` ModuleList (the embedding), the list,
+    and after it what holds parameters or is named a norm (the final norm). A guess only in
+    where it cuts: check_layer_chain then proves the forward is that chain, or refuses; modules
+    with parameters it leaves out are refused in find_parts. None: no `layers` list."""
+    children = list(base.named_children())
+    names = [n for n, _ in children]
+    if "layers" not in names or not isinstance(base.layers, nn.ModuleList):
+        return None
+    at = names.index("layers")
+    before = [n for n, m in children[:at] if _has_params(m)]
+    after = [n for n, m in children[at + 1:] if _has_params(m) or "norm" in n.lower()]
+    return before + ["layers"] + after
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -163,11 +181,18 @@ def check_layer_chain(model: nn.Module, parts: ModelParts) -> None:
     if any(b.is_meta for b in skeleton.buffers()):
         skeleton.to_empty(device="cpu")  # rotary inv_freq etc.: values do not matter here
     embeds = torch.randn(1, 2, hidden, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        if parts.hf:
-            type(model).forward(skeleton, inputs_embeds=embeds, use_cache=False)
-        else:
-            out = skeleton(torch.zeros(1, 2, dtype=torch.long))
+    try:
+        with torch.no_grad():
+            if parts.hf:
+                type(model).forward(skeleton, inputs_embeds=embeds, use_cache=False)
+            else:
+                out = skeleton(torch.zeros(1, 2, dtype=torch.long))
+    except Exception as e:  # e.g. the forward reads a layer's attributes (its block type)
+        raise ConfigError(
+            f"smp cannot split {type(model).__name__} into pipeline stages: its forward does more with its "
+            f"layers than call them in a chain ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), "
+            f"so smp cannot prove a stage boundary drops nothing; set pipeline_parallel_degree: 1 for this model"
+        ) from e
     order = [name for name, _, _ in log]
     want = ([] if parts.hf else list(parts.first)) + [f"{parts.layers}.{i}" for i in range(len(layers))] + list(parts.last)
     problem = None
