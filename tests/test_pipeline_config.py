@@ -100,11 +100,3 @@ def test_mesh_errors_name_every_degree():
     with pytest.raises(smp.ConfigError) as e:
         ParallelDims.from_config(load_config({**PP2, "hybrid_shard_degree": 3}), 8)
     assert "pipeline_parallel_degree=2" in str(e.value) and "world_size=8" in str(e.value)
-
-
-def test_smp_plan_refuses_pp_rather_than_mislead():
-    from smp.planning import plan
-    from smp.testing.models import tiny_llama_config
-
-    with pytest.raises(smp.ConfigError, match="smp plan does not model pipeline_parallel_degree=2"):
-        plan(PP2, tiny_llama_config(), world_size=4)
