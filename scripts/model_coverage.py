@@ -317,7 +317,8 @@ a family whose training forward draws random numbers is compared in eval mode an
 batch* runs image-text families with images on rank 0 only (rank 1's rows are text-only, the same
 labelled length) against one process on the whole batch; *pretrained round trip* is bitwise.
 A family that does not build or train in one process at the tiny shape is skipped with the
-error (a limit of the generic tiny config, not of smp)."""
+error (a limit of the generic tiny config, not of smp). Unlike the text table's peer column, a
+**crash** or **mismatch** here is an open finding about smp (the script exits 1 on it)."""
 
 
 def render_vision(rows: dict[str, dict[str, str]], reasons: dict[str, int]) -> list[str]:

@@ -104,6 +104,10 @@ def _shrink(d: dict, specials: list[int]) -> dict:
             out[key] = [STAGE_LISTS[key] * (1 if key == "depths" else i + 1) for i in range(len(value))]
         elif key in STAGE_LISTS and isinstance(value, int) and key == "embedding_size":
             out[key] = STAGE_LISTS[key]
+        elif key in TINY and isinstance(TINY[key], int) and isinstance(value, list) and isinstance(d.get("depths"), list) \
+                and len(value) == len(d["depths"]) and key not in ("num_heads", "num_attention_heads") \
+                and all(isinstance(v, int) for v in value):
+            out[key] = [TINY[key]] * len(value)  # one per stage of a hierarchical model
         elif key in ("num_heads", "num_attention_heads") and isinstance(value, list):
             out[key] = [2] * len(value)  # per stage: 2 heads divide every tiny stage width
         elif key in ("layer_types", "fullatt_block_indexes", "out_features", "out_indices", "stage_names",

@@ -42,7 +42,11 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
         if blocks:
             return _without_shared_parameters(model, _outermost(_repeated_layers(model, blocks)))
 
-    blocks = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+    # A list of lists (PVT's stages of layers): the inner lists have no forward of their own,
+    # which fully_shard refuses; their elements are the blocks.
+    containers = (nn.ModuleList, nn.ModuleDict)
+    blocks = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m
+              if not isinstance(child, containers)]
     return _without_shared_parameters(model, _outermost(blocks))
 
 
