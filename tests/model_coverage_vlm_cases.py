@@ -392,12 +392,13 @@ def training_forward_is_random(model: torch.nn.Module, kind: str, parts: list[di
     return losses[0] != losses[1]
 
 def equivalence(config: dict, family: str, kind: str, delayed: bool = False, skip_tower: bool = False,
-                frozen_norms: bool = False) -> dict:
+                frozen_norms: bool = False, gather: bool = True) -> dict:
     """`family` transformed under `config` vs the same model in one process, one SGD step on
     one global batch: loss, gradient and parameter gaps and what the mode did. `skip_tower`
     (negative control) drops the images of this rank's rows on every rank but the first, so
     that the one-process run sees images the transformed one never computes. `frozen_norms`
-    puts every BatchNorm layer in eval mode (its running statistics), in both models."""
+    puts every BatchNorm layer in eval mode (its running statistics), in both models. `gather=False`
+    (negative control) computes a contrastive loss over this rank's rows only."""
     with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         reference = build_vision(family, kind)
@@ -421,7 +422,7 @@ def equivalence(config: dict, family: str, kind: str, delayed: bool = False, ski
                 if isinstance(m, BATCH_NORMS):
                     m.eval()
         report = {"param_diff": _param_diff(model, reference)}
-        group = smp.state.dp_mesh.get_group() if kind == "contrastive" else None
+        group = (smp.state.dp_mesh.get_group() if gather else alone) if kind == "contrastive" else None
         local = local_part(parts)
         if skip_tower and smp.state.dp_rank > 0:
             local = [_text_only(p, model.config) for p in local]
@@ -464,9 +465,10 @@ def _guarded(run) -> dict:
 
 
 def classify(config: dict, family: str, kind: str, delayed: bool = False, skip_tower: bool = False,
-             frozen_norms: bool = False) -> dict:
+             frozen_norms: bool = False, gather: bool = True) -> dict:
     """One cell of the section, statuses as model_coverage_cases.classify's."""
-    return _guarded(lambda: _status(equivalence(config, family, kind, delayed, skip_tower, frozen_norms), config, delayed))
+    return _guarded(lambda: _status(equivalence(config, family, kind, delayed, skip_tower, frozen_norms, gather),
+                                    config, delayed))
 
 
 def mixed_batch(config: dict, family: str, kind: str, image_ranks: tuple[int, ...] = (0,)) -> dict:

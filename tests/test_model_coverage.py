@@ -192,6 +192,16 @@ def test_image_rows_skipped_on_one_rank_are_caught(ranks):
     assert {r["status"] for r in results} == {"mismatch"}, results
 
 
+def test_contrastive_loss_without_the_gather_is_caught(ranks):
+    """Negative control: CLIP's loss over each rank's own rows (no gathered negatives) differs
+    from the global-batch loss of one process: a mismatch, not exact."""
+    from tests import model_coverage_vlm_cases as vcases
+
+    for result in ranks(2).run(vcases.classify, family="clip", kind="contrastive", gather=False, timeout=240,
+                               **cases.MODES["fsdp"]):
+        assert result["status"] == "mismatch" and result["detail"]["loss_diff"] > cases.TOL, result
+
+
 def test_vision_section_renders_with_the_page():
     """The second table: a row per family with its kind, a verdict per column, reasons as
     footnotes shared with the text table, skipped families listed under it with their reason."""
