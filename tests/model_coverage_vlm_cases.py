@@ -144,7 +144,7 @@ def tiny_config(family: str, kind: str):
     return config_class.from_dict(shrunk)
 
 
-MAX_PARAMETERS = 20_000_000  # a sub-config the shrinking cannot reach keeps its full size
+MAX_PARAMETERS = 30_000_000  # a sub-config the shrinking cannot reach keeps its full size
 
 
 def build_vision(family: str, kind: str) -> torch.nn.Module:
