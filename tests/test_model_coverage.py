@@ -11,6 +11,12 @@ silent mismatch, or a mode that did nothing (TP split no parameter, nothing offl
 A fast subset runs by default; the whole matrix is `slow` + `coverage` and runs only when
 selected (`pytest -m coverage`). scripts/model_coverage.py writes the same matrix to
 docs/model-coverage.md.
+
+The page's second table (vision, multimodal and speech families, tests/model_coverage_vlm_cases.py,
+`scripts/model_coverage.py --section vision`) is checked here by its machinery: the registry
+enumeration, one fast cell (ViT under FSDP), the renderer, and its negative controls (a rank
+whose images are dropped, a contrastive loss without the gather: both mismatch, not exact); and
+by smp's refusal of BatchNorm in training mode under data parallelism, which that table found.
 """
 
 from __future__ import annotations
