@@ -501,8 +501,8 @@ def pretrained_round_trip(config: dict, family: str, kind: str) -> dict:
 
     def run() -> dict:
         report = vlm_cases.pretrained_round_trip(config, family, builder=lambda: build_vision(family, kind))
-        if report["error"]:
-            return {"status": "refused", "detail": report["error"].splitlines()[0][:300]}
+        if report["error"]:  # its detail lines joined: the page shows a cell's first line
+            return {"status": "refused", "detail": " ".join(report["error"].split())[:300]}
         exact = report["loaded_diff"] == 0.0 and report["round_trip_diff"] == 0.0
         return {"status": "exact" if exact else "mismatch", "detail": report}
 
