@@ -27,17 +27,21 @@ def clip_grad_norm_(
     pipeline ranks (pass the model, not its parameters). Equal to
     `torch.nn.utils.clip_grad_norm_` on the unsharded model.
     """
-    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    params = list(model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
+    # A pipelined model's tied tensor (embedding and head) has a copy on two pipeline ranks
+    # holding one gradient: its norm counts one copy.
+    skip = model_or_params.norm_skip() if hasattr(type(model_or_params), "norm_skip") else set()
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     norm_type = float(norm_type)
     is_max = math.isinf(norm_type)
     # One reduction per (mesh, placements) group instead of one collective per parameter:
     # each group's local sum of |g|^p (or max) is all-reduced over the mesh dims it is sharded on.
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     totals = []
-    for g in grads:
+    for g in counted:
         if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
             # A pending (partial) sum: norms of the parts are not the norm of the sum.
             totals.append(_reduce_local(torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).full_tensor(), norm_type))
@@ -54,6 +58,8 @@ def clip_grad_norm_(
                     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
                     dist.all_reduce(local, op=op, group=mesh.get_group(dim))
         totals.append(local)
+    if not totals:  # every gradient of this rank is counted on another pipeline rank
+        totals.append(torch.zeros((), device=grads[0].device))
     stacked = torch.stack([t.to(totals[0].device) for t in totals])
     local = stacked.max() if is_max else stacked.sum()
     # A pipelined model holds one slice of the layers per pipeline rank: add up the stages.

@@ -79,6 +79,7 @@ def transform(
     elif materialize and on_meta:
         materialize_stages(model, list(pipelined.stages), init_device, cfg.random_seed,
                            stop_at=frozenset(id(m) for m in layer_modules(model)))
+        pipelined.copy_tied_values()  # the head's copy of a tied embedding was initialised as a head
     return pipelined
 
 

@@ -145,7 +145,7 @@ def loss_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 def _grad_diff(model: torch.nn.Module, reference: torch.nn.Module) -> float:
     """Largest gradient gap by parameter name; a parameter no loss reached (None) counts as 0."""
-    ref = dict(reference.named_parameters())
+    ref = dict(reference.named_parameters(remove_duplicate=False))  # both names of a tied tensor (pp stages)
     worst = 0.0
     for name, p in model.named_parameters():
         g = torch.zeros(p.shape) if p.grad is None else full_tensor(p.grad).float()

@@ -67,7 +67,7 @@ def equivalence(config: dict, family: str, steps: int = 2, drop_microbatch_scale
         held = [None] * dist.get_world_size()
         dist.all_gather_object(held, sorted(n for n, _ in model.named_parameters()))
         report["held"] = held
-        report["names"] = sorted(n for n, _ in reference.named_parameters())
+        report["names"] = sorted(n for n, _ in reference.named_parameters(remove_duplicate=False))  # tied: both names
         return report
 
 

@@ -163,11 +163,12 @@ def _one_copy_of_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[
     (safetensors refuses two names for one tensor): transformers' tie targets
     (`all_tied_weights_keys`, {target: source}: `lm_head.weight` tied to the embedding) are
     dropped, and `from_pretrained` ties them again from the source; outside transformers the
-    first name in model order is kept. Decided from the module tree, the same on every rank."""
+    first name in model order is kept. Decided from the module tree, the same on every rank
+    (a pipeline stage holding one copy of a tie writes it only if it is the name kept)."""
     targets = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
     for names in _tied_groups(model):
         present = [n for n in names if n in state]
-        keep = next((n for n in present if n not in targets), present[0] if present else None)
+        keep = next((n for n in names if n not in targets), names[0])
         for name in present:
             if name != keep:
                 del state[name]
@@ -217,7 +218,13 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(_clean(name))
-    return [names for names in names_of.values() if len(names) > 1]
+    groups = [names for names in names_of.values() if len(names) > 1]
+    # A pipeline stage holding one copy of a tie across stages (smp.pipeline.tied): the whole
+    # model's names of it, which build_pipeline recorded on the stage.
+    for names in getattr(model, "_smp_tied_names", None) or ():
+        if [_clean(n) for n in names] not in groups:
+            groups.append([_clean(n) for n in names])
+    return groups
 
 
 def _from_pretrained_rules(model: nn.Module) -> tuple[str, re.Pattern | None, re.Pattern | None, set[str]]:
@@ -444,6 +451,28 @@ def _init_buffers(plain: nn.Module, wanted: set[str]) -> dict[str, torch.Tensor]
     return values
 
 
+def _tied_copies(whole_mapping: dict[str, str], mapping: dict[str, str], groups: list[list[str]],
+                 local: dict[str, Any]) -> list[tuple[str, str]]:
+    """For a tie across pipeline stages (each stage its own copy): a rank whose copies no key of
+    the file reads (`mapping`: this rank's reads) reads the tied tensor's key (`whole_mapping`:
+    the whole model's) into one of them; the copies on this rank that no key reads are filled
+    from the one read. (source, target) pairs."""
+    pairs = []
+    for names in groups:
+        held = [n for n in names if n in local]
+        if not held:
+            continue
+        loaded = [n for n in held if n in mapping.values()]
+        if not loaded:
+            key = next((k for k, v in whole_mapping.items() if v in names), None)
+            if key is None:
+                continue  # no name of it in the file: reported missing
+            mapping[key] = held[0]
+            loaded = [held[0]]
+        pairs += [(loaded[0], n) for n in held if n not in loaded]
+    return pairs
+
+
 def _allocate(model: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor]) -> None:
     """Give a meta model (sharded by smp.transform(materialize=False), or not) its memory on
     `device`: tensors already real are kept, non-persistent buffers get `buffers`, every other
@@ -453,7 +482,9 @@ def _allocate(model: nn.Module, device: torch.device, buffers: dict[str, torch.T
     real = _real_values(model)
     tied_before = _tied_groups(model)
     model.to_empty(device=device)
-    if hasattr(model, "tie_weights"):
+    held = {_clean(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    whole = all(len(held & set(g)) in (0, len(g)) for g in tied_before)  # False: a stage holds one copy of a tie
+    if hasattr(model, "tie_weights") and whole:
         model.tie_weights()  # to_empty gives each name of a tied parameter its own tensor
     if _tied_groups(model) != tied_before:
         raise CheckpointError(
@@ -503,7 +534,8 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
     local_shapes = metadata.tensor_shapes(state)
     shapes = whole_model_shapes(local_shapes, pp_group, f"load_hf {hf_dir!r}")
     mapping, ignored = _plan_hf_load(_hf_shapes(hf_dir), stages[0], shapes, source, _key_converter(stages[0]))
-    mapping = {key: target for key, target in mapping.items() if target in local_shapes}
+    whole_mapping, mapping = mapping, {key: target for key, target in mapping.items() if target in local_shapes}
+    copies = _tied_copies(whole_mapping, mapping, _tied_groups(model), local_shapes)
     if on_meta:
         read = set(mapping.values()) | {n for g in _tied_groups(model) if set(g) & set(mapping.values()) for n in g}
         unread = [n for n in _meta_names(model) if n in state and n not in read]
@@ -531,4 +563,7 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise load_error(e, hf_dir) from None
+    with torch.no_grad():
+        for source, target in copies:  # the other copies of a tie across pipeline stages
+            _local(state[target]).copy_(_local(state[source]))
     set_model_state_dict(model, state)

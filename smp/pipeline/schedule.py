@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (
 from smp.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineConfig, check_pipeline
 from smp.errors import ConfigError, UsageError
 from smp.pipeline.split import StageInfo, build_stage_module, check_layer_chain, find_parts, plan_split, stage_indices
+from smp.pipeline.tied import TiedGroup, copy_tied_values, norm_skip, plan_ties, set_aside, sum_tied_grads, tied_names
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -60,12 +61,27 @@ class PipelinedModel(nn.Module):
         self._schedule: Any = None
         self._loss_fn: Callable | None = None
         self._scale = 1.0  # set per step: 1 / (what the micro-batch losses are normalised by)
+        self.tied: list[TiedGroup] = []  # tied tensors whose copies' gradients the step sums (smp.pipeline.tied)
 
     # --- names of the whole model -------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()  # a tied tensor two of this rank's stages share is one parameter
         for stage in self.stages:
-            yield from stage.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+            for name, p in stage.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
+                if not remove_duplicate or id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def copy_tied_values(self) -> None:
+        """Give each copy of a tied tensor across stages its source's value (after per-stage
+        init). Collective over the ranks holding copies."""
+        copy_tied_values(self.tied, list(self.stages), self.pp_group)
+
+    def norm_skip(self) -> set[int]:
+        """Ids of this rank's parameters a gradient norm over the pipeline ranks leaves out: the
+        copies of a tied tensor another rank (or another local name) already counts."""
+        return norm_skip(self.tied, list(self.stages), self.pp_group)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,8 +165,14 @@ def build_pipeline(
     check_layer_chain(model, parts)
     split = plan_split(model, pp * local, pipe.split)
     mine = [split[i] for i in stage_indices(pp_rank, pp, local, pipe.schedule in V_SCHEDULES)]
+    ties = tied_names(model)  # before the recipe: FSDP / TP give each stage's copy its own tensor
     stages = [recipe(build_stage_module(model, parts, info)) for info in mine]
-    return PipelinedModel(stages, mine, split, pipe, pp_group, device, dp_group)
+    for stage in stages:
+        stage._smp_tied_names = ties  # the whole model's names of each tie (checkpoints, HF export and import)
+    pipelined = PipelinedModel(stages, mine, split, pipe, pp_group, device, dp_group)
+    targets = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
+    pipelined.tied = plan_ties(ties, stages, pp_group, targets) if ties else []
+    return pipelined
 
 
 def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
@@ -204,7 +226,10 @@ def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | 
         model._scale = 1.0 / microbatches
     input_ids, labels = input_ids.to(model.device), labels.to(model.device)
     losses: list[torch.Tensor] = []
+    before = set_aside(model.tied, list(model.stages))
     model._schedule.step(input_ids, target=labels, losses=losses)
+    # A tied tensor (embedding and head) has a copy on two stages: each copy gets the sum.
+    sum_tied_grads(model.tied, list(model.stages), model.pp_group, before)
     total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=model.device)
     # Only the rank holding the last stage has the losses: a sum over the pipeline gives it to all,
     # then the mean over the data-parallel ranks (each rank's share already weighed by dp).

@@ -341,33 +341,9 @@ def build_stage_module(model: nn.Module, parts: ModelParts, stage: StageInfo) ->
         children = own_children(listed)
         for key in [k for k, v in children.items() if v is None]:
             del children[key]  # keys of the kept layers keep their original index
-    _tie_check(model, stage_module, stage)
     stage_module.forward = types.MethodType(_hf_stage_forward if parts.hf else _plain_stage_forward, stage_module)
     stage_module._smp_stage = (stage, parts)  # read by the stage forward
     return stage_module
-
-
-def _tie_check(model: nn.Module, stage_module: nn.Module, stage: StageInfo) -> None:
-    """A parameter the stage holds that the whole model also uses elsewhere (tied embeddings)
-    would get only this stage's share of its gradient: refuse."""
-    held = {id(p) for p in stage_module.parameters()}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for pname, p in module.named_parameters(recurse=False):
-            if id(p) in held and not _is_in(stage_module, p, f"{name}.{pname}" if name else pname):
-                raise ConfigError(
-                    f"{name}.{pname} is tied to a parameter of pipeline stage {stage.index} (one tensor under "
-                    f"two names, e.g. tie_word_embeddings: the LM head reuses the input embedding), but "
-                    f"{name}.{pname} is used on another stage: smp does not yet sum a tied parameter's "
-                    f"gradients across stages. Untie it (config.tie_word_embeddings=False before building "
-                    f"the model) or set pipeline_parallel_degree: 1"
-                )
-
-
-def _is_in(stage_module: nn.Module, p: nn.Parameter, name: str) -> bool:
-    try:
-        return stage_module.get_parameter(name) is p
-    except (AttributeError, TypeError):
-        return False
 
 
 def _hf_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -422,7 +398,7 @@ def whole_model_view(stages: Sequence[nn.Module]) -> nn.Module:
         return stages[0]
     view = _merge(list(stages))
     first = stages[0]
-    for attr in ("config", "generation_config", "base_model_prefix", "all_tied_weights_keys"):
+    for attr in ("config", "generation_config", "base_model_prefix", "all_tied_weights_keys", "_smp_tied_names"):
         if hasattr(first, attr):
             setattr(view, attr, getattr(first, attr))  # what export_hf reads of the model
     return view

@@ -387,6 +387,20 @@ def materialize_meta_model(model: nn.Module, device: torch.device, seed: int) ->
     _check_all_set(model)
 
 
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _holds_whole_ties(stage: nn.Module, ties: list[list[str]]) -> bool:
+    """Whether `stage` holds every name of each tied tensor it holds one name of (a tie across
+    pipeline stages: each stage keeps its own copy, filled by the replay below)."""
+    names = {n for n, _ in stage.named_parameters(remove_duplicate=False)}
+    return all(len(names & set(group)) in (0, len(group)) for group in ties)
+
+
 @torch.no_grad()
 def materialize_stages(
     model: nn.Module, stages: list[nn.Module], device: torch.device, seed: int,
@@ -409,11 +423,12 @@ def materialize_stages(
         _check_initialisable(model)
     eager_draws = _eager_construction_draws(model) if hf_model else None
     _clear_hf_init_marks(model)
+    ties = _tied_names(model)
     for stage in stages:
         _clear_hf_init_marks(stage)
         real = _real_values(stage)
         stage.to_empty(device=device)
-        if hf_model and hasattr(stage, "tie_weights"):
+        if hf_model and hasattr(stage, "tie_weights") and _holds_whole_ties(stage, ties):
             stage.tie_weights()  # to_empty gives each name of a tied parameter its own tensor
         _mark_unset(stage, real)
     # Buffers of the whole model still on meta (another stage's, or modules a stage copied):
