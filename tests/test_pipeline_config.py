@@ -62,11 +62,12 @@ def test_schedule_combinations_name_the_degrees(pipeline, needle):
 
 
 def test_composed_and_refused_degrees():
-    # TP and EP compose with pp (tests/test_pipeline_compose.py); context parallel is refused.
-    for key in ("tensor_parallel_degree", "expert_parallel_degree"):
+    # TP, EP (tests/test_pipeline_compose.py) and CP (tests/test_pipeline_cp.py) compose with pp;
+    # CP under a schedule not proven with it is refused.
+    for key in ("tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree"):
         assert getattr(load_config({**PP2, key: 2}), key) == 2
-    with pytest.raises(smp.ConfigError, match="context_parallel_degree > 1 with pipeline_parallel_degree > 1"):
-        load_config({**PP2, "context_parallel_degree": 2})
+    with pytest.raises(smp.ConfigError, match="context_parallel_degree > 1 with pipeline schedule"):
+        load_config({**PP2, "context_parallel_degree": 2, "pipeline": "interleaved_1f1b"})
     with pytest.raises(smp.ConfigError, match="torch.compile"):
         load_config({**PP2, "compile": True, "pipeline": {"schedule": "zbv_zero_bubble"}})
 

@@ -20,6 +20,8 @@ from torch.distributed.pipelining import (
 )
 
 from smp.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineConfig, check_pipeline
+from smp.context_parallel.attention import ContextParallelSetup, active as active_context_parallel
+from smp.context_parallel.sharding import check_sequence_length, chunk_positions, shift_labels
 from smp.errors import ConfigError, UsageError
 from smp.pipeline.split import StageInfo, build_stage_module, check_layer_chain, find_parts, plan_split, stage_indices
 from smp.pipeline.tied import TiedGroup, copy_tied_values, norm_skip, plan_ties, set_aside, sum_tied_grads, tied_names
@@ -62,6 +64,7 @@ class PipelinedModel(nn.Module):
         self._loss_fn: Callable | None = None
         self._scale = 1.0  # set per step: 1 / (what the micro-batch losses are normalised by)
         self.tied: list[TiedGroup] = []  # tied tensors whose copies' gradients the step sums (smp.pipeline.tied)
+        self._preshifted = False  # set per step: the targets arrive shifted over the whole row (context parallel)
 
     # --- names of the whole model -------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -124,7 +127,11 @@ class PipelinedModel(nn.Module):
 
     # --- the step ------------------------------------------------------------------------------
     def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self._loss_fn is None:  # next-token cross-entropy summed, over the batch's target count
+        if self._preshifted:  # context parallel: position t of this rank's chunks predicts labels[t]
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum",
+            )
+        elif self._loss_fn is None:  # next-token cross-entropy summed, over the batch's target count
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                 ignore_index=IGNORE_INDEX, reduction="sum",
@@ -209,6 +216,8 @@ def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | 
         check_pipeline(model.pipe, pp, batch_size=input_ids.shape[0])
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    cp = _context_parallel(model, loss_fn, input_ids.shape[1])  # refuses what it cannot carry, before any collective
+    cp_size = 1 if cp is None else cp.size
     microbatches = model.pipe.microbatches or pp * len(model.stages)
     if model._schedule is None or model._loss_fn is not loss_fn:
         model._loss_fn = loss_fn
@@ -217,17 +226,27 @@ def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | 
     if loss_fn is None:
         # Divide by the target count of the whole batch (every micro-batch, every data-parallel
         # rank): ranks whose rows hold fewer targets (padding) weigh less, as in one process.
-        # FSDP averages the data-parallel ranks' gradients, hence the factor dp.
+        # FSDP averages the data-parallel ranks' gradients, hence the factor dp (and cp: under
+        # context parallel FSDP averages over dp_shard x cp, each cp rank holding part of each
+        # row; the count is of the whole rows, which every cp rank holds here).
         targets = (labels[:, 1:] != IGNORE_INDEX).sum().to(model.device, torch.float64)
         if model.dp_group is not None:
             dist.all_reduce(targets, group=model.dp_group)
-        model._scale = dp / max(float(targets), 1.0)
+        model._scale = dp * cp_size / max(float(targets), 1.0)
     else:
         model._scale = 1.0 / microbatches
     input_ids, labels = input_ids.to(model.device), labels.to(model.device)
+    stage_inputs: dict[str, torch.Tensor] = {}
+    model._preshifted = cp is not None
+    if cp is not None:
+        # Each row cut once for this cp rank; every stage gets the chunks' global positions and
+        # key padding mask (the schedule hands keyword inputs to every stage, split into
+        # micro-batches like the ids).
+        mask = None if attention_mask is None else attention_mask.to(model.device)
+        input_ids, labels, stage_inputs = _rows_for_cp_rank(input_ids, labels, mask, cp)
     losses: list[torch.Tensor] = []
     before = set_aside(model.tied, list(model.stages))
-    model._schedule.step(input_ids, target=labels, losses=losses)
+    model._schedule.step(input_ids, target=labels, losses=losses, **stage_inputs)
     # A tied tensor (embedding and head) has a copy on two stages: each copy gets the sum.
     sum_tied_grads(model.tied, list(model.stages), model.pp_group, before)
     total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=model.device)
@@ -237,7 +256,57 @@ def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | 
     if model.dp_group is not None:
         dist.all_reduce(total, group=model.dp_group)
         total /= dp
+    if cp is not None:  # likewise over the cp ranks, each holding part of every row
+        dist.all_reduce(total, group=cp.group)
+        total /= cp_size
     return total
+
+
+def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: int) -> ContextParallelSetup | None:
+    """The context parallel setup the stages attend under (None: context_parallel_degree 1),
+    after refusing what the step cannot make exact under it."""
+    setup = active_context_parallel()
+    if setup is None or setup.size == 1:
+        return None
+    if not all(stage._smp_stage[1].hf for stage in model.stages):
+        raise ConfigError(
+            f"context_parallel_degree={setup.size} with pipeline_parallel_degree > 1 is built for transformers "
+            f"causal LMs (their stages take global position_ids); a plain nn.Module's stages have no way to be "
+            f"told where their chunk of each row sits. Set context_parallel_degree: 1 or pipeline_parallel_degree: 1"
+        )
+    if model.dp_group is not None:
+        raise ConfigError(
+            f"context_parallel_degree={setup.size} with pipeline_parallel_degree > 1 and "
+            f"{dist.get_world_size(model.dp_group)} data-parallel ranks per stage is not supported: smp has proven "
+            f"pipeline x context parallel with one data-parallel rank only; make pipeline_parallel_degree x "
+            f"context_parallel_degree the world size, or set context_parallel_degree: 1"
+        )
+    if loss_fn is not None:
+        raise UsageError(
+            f"smp.pipeline.step: loss_fn with context_parallel_degree={setup.size} is not supported: the last "
+            f"stage holds only this rank's chunks of each row, so a loss_fn(logits, labels) cannot shift labels "
+            f"over the whole row; leave loss_fn out (the next-token cross-entropy over the whole rows)"
+        )
+    check_sequence_length(seq_len, setup.size, setup.load_balance)
+    return setup
+
+
+def _rows_for_cp_rank(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
+                      setup: ContextParallelSetup) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """This cp rank's chunks of whole rows (smp's context parallel layout): the token ids, the
+    targets shifted over the whole row before the cut (the last token of a chunk predicts the
+    first of the next), and every stage's inputs: the tokens' global positions and their padding
+    mask (all ones without one: transformers reads position ids without a mask as packed
+    sequences wherever they jump, as a chunk's do)."""
+    index = chunk_positions(input_ids.shape[1], setup.size, setup.rank, setup.load_balance, device=input_ids.device)
+    targets = shift_labels(labels, IGNORE_INDEX).index_select(1, index)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    stage_inputs = {
+        "position_ids": index.expand(input_ids.shape[0], -1).contiguous(),
+        "attention_mask": attention_mask.index_select(1, index),
+    }
+    return input_ids.index_select(1, index), targets, stage_inputs
 
 
 def _padding_ignored(input_ids: torch.Tensor, labels: torch.Tensor | None,

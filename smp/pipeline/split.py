@@ -335,6 +335,11 @@ def build_stage_module(model: nn.Module, parts: ModelParts, stage: StageInfo) ->
         memo[id(module)] = module if stage.last else (nn.Identity() if parts.hf and name.startswith(parts.layers.split(".")[0] + ".") else None)
     for p in model.parameters():  # parameters outside the parts (none for a checked model): shared
         memo.setdefault(id(p), p)
+    config = getattr(model, "config", None)
+    if config is not None:
+        # One config for the stage and the layers it shares with the model: what the recipe sets
+        # on the stage's config (context parallel's attention implementation) is what they read.
+        memo[id(config)] = config
     stage_module = copy.deepcopy(model, memo)
     if not parts.hf:
         listed = _get(stage_module, parts.layers)
@@ -346,11 +351,18 @@ def build_stage_module(model: nn.Module, parts: ModelParts, stage: StageInfo) ->
     return stage_module
 
 
-def _hf_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _hf_stage_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One stage of a transformers causal LM: token ids in on the first stage, hidden states in
-    on the others; logits out of the last, hidden states out of the others."""
+    on the others; logits out of the last, hidden states out of the others. `position_ids` and
+    `attention_mask` (context parallel: the global positions and key padding of this rank's
+    chunks of each row) are given to every stage alike; None lets the model count positions over
+    its input."""
     stage, parts = self._smp_stage
     inputs = {"input_ids": x} if stage.first else {"inputs_embeds": x}
+    for key, value in (("position_ids", position_ids), ("attention_mask", attention_mask)):
+        if value is not None:
+            inputs[key] = value
     if stage.last:
         return type(self).forward(self, **inputs, use_cache=False).logits
     base = _get(self, parts.layers.rsplit(".", 1)[0])
