@@ -143,3 +143,22 @@ def lifecycle(config: dict, path: str, export: str, kind: str = "tied_llama") ->
         report["load_diff"] = _diff(fresh, trained)
         digests("load", fresh)
     return report
+
+
+def layout_refusal(config: dict) -> str:
+    """Two pipeline ranks holding copies of one tied tensor in different layouts (here: local
+    shapes, as a TP style on one copy only would give): the message plan_ties raises ('' if
+    none), on every rank."""
+    import torch.distributed as dist
+
+    from smp.pipeline.tied import plan_ties
+
+    with smp.session(config):
+        rank = dist.get_rank()
+        stage = nn.Module()
+        stage.register_parameter("embed" if rank == 0 else "head", nn.Parameter(torch.zeros(8, 4 if rank == 0 else 2)))
+        try:
+            plan_ties([("embed", "head")], [stage], dist.group.WORLD)
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""

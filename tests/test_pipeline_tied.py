@@ -6,6 +6,7 @@ rank; the V puts the embedding and the head on one rank), and PP 2 x FSDP 2: los
 gradient (both names of the tied tensor included) within 1e-5 of one process over 3 AdamW
 steps, the copies bitwise equal after them (and equal to the reference within the tolerance),
 clip_grad_norm_ counting the tied tensor once. Negative control: the gradient sum skipped.
+Copies laid out differently on the two ranks are refused on every rank.
 """
 
 from __future__ import annotations
@@ -75,3 +76,9 @@ def test_tied_copies_through_init_checkpoint_and_export(ranks, tmp_path):
         assert r["export_tied"], r
     for tag in ("meta", "step", "weights", "load"):
         assert len({d for r in reports for d in r["digests"][tag]}) == 1, (tag, reports)
+
+
+def test_copies_laid_out_differently_are_refused_on_every_rank(ranks):
+    for message in ranks(2).run(cases.layout_refusal, config=PP2):
+        assert message.startswith("ConfigError: embed / head is one tied tensor whose copies"), message
+        assert "shape (8, 4)" in message and "shape (8, 2)" in message, message
