@@ -2,7 +2,7 @@
 
 Each stage holding a copy keeps its own; the step sums the copies' gradients. Proven on a tied
 Llama and Gemma at pp 2 under 1F1B and GPipe, interleaved 1F1B and a V schedule (2 stages per
-rank; the V puts the embedding and the head on one rank), and PP 2 x FSDP 2: loss and every
+rank; the V puts the embedding and the head on one rank), PP 2 x FSDP 2 and PP 2 x TP 2: loss and every
 gradient (both names of the tied tensor included) within 1e-5 of one process over 3 AdamW
 steps, the copies bitwise equal after them (and equal to the reference within the tolerance),
 clip_grad_norm_ counting the tied tensor once. Negative control: the gradient sum skipped.
@@ -49,11 +49,16 @@ def test_clip_grad_norm_counts_the_tied_tensor_once(ranks):
     assert max(r["norm_diff"] for r in reports) < 1e-5, reports
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", {"schedule": "zbv_zero_bubble", "stages_per_rank": 2}], ids=["1f1b", "zbv"])
-def test_pp2_x_fsdp2_tied(ranks, schedule):
-    """World 4: FSDP over 2 ranks inside each stage; the copies are shards of one layout. Under
-    the V schedule one rank holds both copies, each FSDP-sharded in its own stage."""
-    reports = ranks(4).run(cases.equivalence, config={**PP2, "pipeline": schedule}, steps=2, clip=0.1)
+@pytest.mark.parametrize("config", [
+    {**PP2, "pipeline": "1f1b"},
+    {**PP2, "pipeline": {"schedule": "zbv_zero_bubble", "stages_per_rank": 2}},
+    {**PP2, "pipeline": "1f1b", "tensor_parallel_degree": 2},
+], ids=["1f1b-fsdp2", "zbv-fsdp2", "1f1b-tp2"])
+def test_pp2_x_fsdp2_or_tp2_tied(ranks, config):
+    """World 4: FSDP (or TP) over 2 ranks inside each stage; the copies are shards of one layout
+    (TP: the vocab-split embedding and the column-split head, both Shard(0)). Under the V schedule
+    one rank holds both copies, each FSDP-sharded in its own stage."""
+    reports = ranks(4).run(cases.equivalence, config=config, steps=2, clip=0.1)
     _assert_exact(reports)
     assert max(r["norm_diff"] for r in reports) < 1e-5, reports
 
