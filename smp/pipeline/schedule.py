@@ -197,6 +197,10 @@ def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | 
     on the right; its padding becomes labels of -100. A `loss_fn(logits, labels)` returning the
     mean over its micro-batch is averaged over the micro-batches (the batch mean when every
     micro-batch weighs the same).
+
+    Under context parallel the rows are still whole (the same on every pipeline and cp rank):
+    they are cut here for this cp rank, each stage gets the chunks' global position ids, and the
+    labels are shifted over the whole row before the cut (docs/pipeline-parallel.md).
     """
     if not isinstance(model, PipelinedModel):
         raise UsageError(
