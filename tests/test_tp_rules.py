@@ -50,6 +50,12 @@ def _tied_llama() -> nn.Module:
     return tiny_llama(tie_word_embeddings=True)
 
 
+def _llama_with_embedding_extra() -> nn.Module:
+    model = tiny_llama()
+    model.model.embed_tokens.eoi_embedding = nn.Parameter(torch.zeros(model.config.hidden_size))
+    return model
+
+
 def _plan_without_embedding() -> dict:
     return {k: v for k, v in tiny_llama()._tp_plan.items() if k != "model.embed_tokens"}
 
@@ -97,6 +103,12 @@ CASES = [
          adds={"model": ("replicate_params", "")}),
     Case(rules.sp_needs_the_head, tiny_llama, SP, plan=_llama_without_head_entry,
          refuses="sequence_parallel needs the output head"),
+    # T5Gemma2: its scaled embedding owns `eoi_embedding` besides its weight.
+    Case(rules.embedding_owns_only_its_weight, _llama_with_embedding_extra, NO_SP,
+         refuses="owns 'eoi_embedding' besides its weight"),
+    # Qwen3-VL / Cosmos3-Omni: no text plan, only the head split.
+    Case(rules.sp_needs_split_layers, tiny_llama, SP, plan=lambda: {"lm_head": "colwise_gather_output"},
+         refuses="sequence_parallel: the tensor-parallel plan splits no layer"),
     # ViT, DINOv2, CLIP, SigLIP, Whisper: no language-model token stream to shard.
     Case(rules.sp_token_streams_only, lambda: tp_vlm_cases.build("vit"), SP,
          refuses="sequence_parallel: ViTForImageClassification is a vision"),

@@ -98,6 +98,27 @@ def _whole_in_regions(m: Matched) -> Iterator[tuple[str, nn.Module, str, str, nn
 
 # --- the rules, in the order they run ----------------------------------------------------------
 
+def embedding_owns_only_its_weight(m: Matched, opts: Options) -> list[Assignment]:
+    """A split embedding's forward runs whole under the style's hooks, its output a partial or
+    sharded DTensor until the hook's end: a parameter the module owns besides `weight` and mixes
+    into that output (T5Gemma2's `eoi_embedding`, written over the end-of-image positions) meets
+    it as a plain tensor (torch's "got mixed torch.Tensor and DTensor" in `index_put`). Refused,
+    naming the parameter, before any change."""
+    for name, (_, style) in sorted(m.entries.items()):
+        if reg.fact(style, "applies_to") != reg.EMBEDDING:
+            continue
+        module = m.modules[name]
+        extra = [p for p, t in module.named_parameters(recurse=False) if p != "weight" and t.requires_grad]
+        if extra:
+            raise PlanError(
+                f"tensor-parallel plan: {name!r} ({type(module).__name__}) has style {style!r} but owns "
+                f"{', '.join(repr(p) for p in extra)} besides its weight, which its forward mixes into the "
+                "split embedding's output; smp cannot split that. Pass a plan without this entry (the "
+                "embedding then stays whole on every rank), or set tensor_parallel_degree: 1"
+            )
+    return []
+
+
 def tie_embedding_to_head(m: Matched, opts: Options) -> list[Assignment]:
     """A tied head and input embedding share one weight: both must be split the same way (vocab
     rows: a colwise head is a row-wise embedding), so a split head brings the embedding (GPT-2,
@@ -275,6 +296,23 @@ def sp_token_streams_only(m: Matched, opts: Options) -> list[Assignment]:
     )
 
 
+def sp_needs_split_layers(m: Matched, opts: Options) -> list[Assignment]:
+    """Sequence parallel shards the stream between split regions: a plan that splits no layer
+    of the language model (Qwen3-VL's text config ships no `base_model_tp_plan`, so only the
+    head is split) leaves every layer's whole weights to meet the sequence shards (torch's
+    "got mixed torch.Tensor and DTensor" in its first projection). Refused before any change."""
+    if not opts.sequence_parallel or _bounded(m):
+        return []
+    scope = m.sp_scope or type(m.model).__name__
+    raise ConfigError(
+        f"sequence_parallel: the tensor-parallel plan splits no layer of {scope!r} "
+        f"({type(m.model).__name__}; the plan names only {sorted(m.entries) or 'nothing'}), so the "
+        "sequence-sharded stream would meet whole weights in every layer. Add the language model's "
+        "attention and MLP projections to the plan (colwise / rowwise entries, as a causal LM's "
+        "`base_model_tp_plan` has them), or set tensor_parallel.sequence_parallel: false"
+    )
+
+
 def sp_enter_at_language_model(m: Matched, opts: Options) -> list[Assignment]:
     """A multimodal model (LLaVA, Qwen2.5-VL, Gemma3, ...) embeds the tokens and scatters the
     image features in before it calls its language model with `inputs_embeds`: the sequence is
@@ -418,6 +456,7 @@ def sp_needs_the_head(m: Matched, opts: Options) -> list[Assignment]:
 
 
 RULES: tuple[Rule, ...] = (
+    embedding_owns_only_its_weight,
     tie_embedding_to_head,
     local_params_need_split_heads,
     mla_whole_input,
@@ -425,6 +464,7 @@ RULES: tuple[Rule, ...] = (
     per_head_parameters,
     shared_region_entry,
     sp_token_streams_only,
+    sp_needs_split_layers,
     sp_enter_at_language_model,
     sp_gather_at_region_entry,
     sp_moe_block_takes_whole_sequence,
