@@ -107,9 +107,16 @@ def test_every_schedule_matches_one_process(ranks, schedule):
     assert held[0] | held[1] == {n for n, _ in cases.tiny_model("llama").named_parameters()}  # all of them
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mixtral", "plain"])
-def test_families_match_one_process(ranks, kind):
-    _assert_matches(ranks(2).run(cases.equivalence, config={**PP2, "pipeline": "1f1b"}, kind=kind))
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+@pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
+def test_every_schedule_matches_one_process_on_other_families(ranks, kind, schedule):
+    # Qwen3 (q/k norms), Mixtral (MoE blocks); a tied-embedding family under every schedule:
+    # tests/test_pipeline_tied.py
+    _assert_matches(ranks(2).run(cases.equivalence, config={**PP2, "pipeline": schedule}, kind=kind))
+
+
+def test_a_plain_layer_list_model_matches_one_process(ranks):
+    _assert_matches(ranks(2).run(cases.equivalence, config={**PP2, "pipeline": "1f1b"}, kind="plain"))
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
