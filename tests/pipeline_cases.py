@@ -75,6 +75,7 @@ def equivalence(config: dict, kind: str = "llama", steps: int = 2, loss: str = "
     negative control: a per-micro-batch mean not divided by the micro-batch count). `clip`:
     smp.clip_grad_norm_ vs torch's on the reference before the gradients are compared."""
     with smp.session(config):
+        smp.gradient_sync_bytes(reset=True)  # _what_acted reads this run's bytes only
         torch.manual_seed(smp.state.config.random_seed)
         reference = tiny_model(kind)
         model = copy.deepcopy(reference)
@@ -115,7 +116,23 @@ def equivalence(config: dict, kind: str = "llama", steps: int = 2, loss: str = "
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
         report["names"] = sorted(n for n, _ in model.named_parameters())
+        report["acted"] = _what_acted(model)
         return report
+
+
+def _what_acted(model) -> dict:
+    """What the recipe did inside this rank's stages (a mode that did nothing proves nothing):
+    activation bytes moved to host in the last forward, blocks compiled, gradient-sync bytes of
+    smp's own collectives in this run (ring / int8 / fp8; the default path is not counted)."""
+    from smp.activations import offload_stats
+    from smp.sharding.gradient_sync import gradient_sync_bytes
+
+    stats = [offload_stats(stage) for stage in model.stages]
+    return {
+        "offloaded_bytes": sum(s.total_offloaded_bytes for s in stats if s is not None),
+        "compiled_blocks": sum(1 for stage in model.stages for m in stage.modules() if getattr(m, "_compiled_call_impl", None)),
+        "sync_bytes": {k: v for k, v in gradient_sync_bytes().items() if v and k != "total"},
+    }
 
 
 def error_of_transform(config: dict, kind: str) -> str:

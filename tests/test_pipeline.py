@@ -125,6 +125,19 @@ def test_activation_checkpointing_inside_stages(ranks, mode):
     _assert_matches(ranks(2).run(cases.equivalence, config=config))
 
 
+def test_offloading_and_compile_inside_stages(ranks):
+    # The rest of the recipe inside each stage, each shown to have acted.
+    offload = {**PP2, "pipeline": "1f1b", "activation_checkpointing": "full", "activation_offloading": True,
+               "activation_offload_min_bytes": 0}
+    reports = ranks(2).run(cases.equivalence, config=offload)
+    _assert_matches(reports)
+    assert all(r["acted"]["offloaded_bytes"] > 0 for r in reports), [r["acted"] for r in reports]
+    compiled = {**PP2, "pipeline": "1f1b", "compile": {"enabled": True, "backend": "aot_eager"}}
+    reports = ranks(2).run(cases.equivalence, config=compiled)
+    _assert_matches(reports)
+    assert all(r["acted"]["compiled_blocks"] > 0 for r in reports), [r["acted"] for r in reports]
+
+
 def test_more_microbatches_and_a_mean_loss_fn(ranks):
     config = {**PP2, "pipeline": {"schedule": "gpipe", "microbatches": 8}}
     _assert_matches(ranks(2).run(cases.equivalence, config=config, loss="mean"))
@@ -175,6 +188,13 @@ def test_wrong_use_is_a_clear_error(ranks, tmp_path):
 ], ids=["1f1b-fsdp2", "interleaved-fsdp2", "gpipe-replicate2"])
 def test_pp2_x_fsdp2_matches_one_process(ranks, config):
     _assert_matches(ranks(4).run(cases.equivalence, config=config))
+
+
+def test_pp2_x_fsdp2_with_smp_gradient_sync(ranks):
+    # smp's own ring reduce-scatter (kernels/) as each stage's FSDP gradient reduction
+    reports = ranks(4).run(cases.equivalence, config={**PP2, "pipeline": "1f1b", "gradient_sync": "ring"})
+    _assert_matches(reports)
+    assert all(r["acted"]["sync_bytes"] for r in reports), [r["acted"] for r in reports]
 
 
 def test_clip_grad_norm_pp2_x_fsdp2(ranks):
