@@ -17,7 +17,9 @@ mode too, and is refused there as well).
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
+import torch
 from torch import nn
 
 from smp.errors import ConfigError
@@ -36,6 +38,7 @@ def refuse_batch_statistics(model: nn.Module, dp_size: int) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, BATCH_NORMS):
             module.register_forward_pre_hook(partial(_refuse, name or "<root>", dp_size))
+            module.register_forward_hook(_grad_in_input_layout)
             names.append(name)
     return names
 
@@ -48,3 +51,27 @@ def _refuse(name: str, dp_size: int, module: nn.Module, args: tuple) -> None:
             "running statistics differ from one process on the global batch. Freeze its statistics (call .eval() "
             "on the BatchNorm layers after model.train()), replace it with GroupNorm / LayerNorm, or on GPUs "
             "convert it with torch.nn.SyncBatchNorm.convert_sync_batchnorm before smp.transform.")
+
+
+def _grad_in_input_layout(module: nn.Module, args: tuple, out: Any) -> None:
+    """Hand the layer's backward its output gradient laid out like its input.
+
+    torch 2.13's CPU batch-norm backward in eval mode computes a wrong input gradient when the
+    input is contiguous (NCHW) and the output gradient is strided like channels-last (both shapes
+    equal): CvT's value projection with one row per rank, whose gradient comes back through a
+    slice past the class token, is 4e-3 off the analytic gradient (weight / sqrt(running_var +
+    eps) times the output gradient), and the one-process run with 4 rows, both tensors
+    channels-last, is right. Each rank's rows differ in number from one process's, so layouts
+    differ; copying the gradient into the input's layout makes the kernel agree with both."""
+    x = args[0] if args else None
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or not isinstance(x, torch.Tensor):
+        return
+    # empty_like keeps the input's strides where they are dense, else it is contiguous
+    shape, strides = x.shape, torch.empty_like(x, device="meta").stride()
+
+    def relayout(grad: torch.Tensor) -> torch.Tensor:
+        if grad.shape != shape or grad.stride() == strides:
+            return grad
+        return torch.empty_strided(grad.shape, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+    out.register_hook(relayout)
