@@ -105,7 +105,7 @@ CASES = [
          refuses="sequence_parallel needs the output head"),
     # T5Gemma2: its scaled embedding owns `eoi_embedding` besides its weight.
     Case(rules.embedding_owns_only_its_weight, _llama_with_embedding_extra, NO_SP,
-         refuses="owns 'eoi_embedding' besides its weight"),
+         refuses="owns 'eoi_embedding')"),
     # Qwen3-VL / Cosmos3-Omni: no text plan, only the head split.
     Case(rules.sp_needs_split_layers, tiny_llama, SP, plan=lambda: {"lm_head": "colwise_gather_output"},
          refuses="sequence_parallel: the tensor-parallel plan splits no layer"),

@@ -104,18 +104,25 @@ def embedding_owns_only_its_weight(m: Matched, opts: Options) -> list[Assignment
     into that output (T5Gemma2's `eoi_embedding`, written over the end-of-image positions) meets
     it as a plain tensor (torch's "got mixed torch.Tensor and DTensor" in `index_put`). Refused,
     naming the parameter, before any change."""
+    owners, tied = [], []
+    head = m.modules.get(m.head) if m.head else None
     for name, (_, style) in sorted(m.entries.items()):
+        module = m.modules[name]
         if reg.fact(style, "applies_to") != reg.EMBEDDING:
             continue
-        module = m.modules[name]
         extra = [p for p, t in module.named_parameters(recurse=False) if p != "weight" and t.requires_grad]
         if extra:
-            raise PlanError(
-                f"tensor-parallel plan: {name!r} ({type(module).__name__}) has style {style!r} but owns "
-                f"{', '.join(repr(p) for p in extra)} besides its weight, which its forward mixes into the "
-                "split embedding's output; smp cannot split that. Pass a plan without this entry (the "
-                "embedding then stays whole on every rank), or set tensor_parallel_degree: 1"
-            )
+            owners.append(f"{name!r} ({type(module).__name__}, style {style!r}, owns "
+                          f"{', '.join(repr(p) for p in extra)})")
+            tied += [m.head] if head is not None and getattr(head, "weight", None) is module.weight else []
+    if owners:
+        also = f" and without {sorted(set(tied))[0]!r}'s (its weight is tied to them)" if tied else ""
+        raise PlanError(
+            f"tensor-parallel plan: {'; '.join(owners)}: parameters besides the embedding's weight, which "
+            "its forward mixes into the split embedding's output; smp cannot split that. Pass a plan "
+            f"without these entries{also} (the embeddings then stay whole on every rank), or set "
+            "tensor_parallel_degree: 1"
+        )
     return []
 
 
