@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from smp.config import check_pipeline
-from smp.errors import ConfigError, UsageError
-from smp.pipeline.schedule import IGNORE_INDEX, PipelinedModel, _padding_ignored
+from smp.pipeline.schedule import IGNORE_INDEX, PipelinedModel, checked_batch
 
 
 @torch.no_grad()
@@ -23,25 +21,10 @@ def evaluate(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tenso
     The arguments are `smp.pipeline.step`'s: this rank's data-parallel rows, the same on every
     pipeline rank, split into the config's micro-batches; a right-padded `attention_mask`.
     """
-    if not isinstance(model, PipelinedModel):
-        raise UsageError(
-            f"smp.pipeline.evaluate expects the model smp.transform returned with pipeline_parallel_degree > 1, "
-            f"got {type(model).__name__}; evaluate any other model with model(input_ids, labels=labels).loss"
-        )
-    labels = input_ids if labels is None and attention_mask is None else labels
-    if attention_mask is not None:
-        labels = _padding_ignored(input_ids, labels, attention_mask)
-    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-        raise UsageError(
-            f"smp.pipeline.evaluate takes input_ids and labels of one shape [batch, seq]; got "
-            f"{tuple(input_ids.shape)} and {tuple(labels.shape)}"
-        )
-    pp = dist.get_world_size(model.pp_group)
-    try:
-        check_pipeline(model.pipe, pp, batch_size=input_ids.shape[0])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    microbatches = model.pipe.microbatches or pp * len(model.stages)
+    labels, microbatches = checked_batch(
+        model, "smp.pipeline.evaluate", input_ids, labels, attention_mask,
+        elsewhere="; evaluate any other model with model(input_ids, labels=labels).loss",
+    )
     if model._schedule is None or model._loss_fn is not None:  # the default (token-mean) loss
         model._loss_fn = None
         model._schedule = model._build_schedule(microbatches)

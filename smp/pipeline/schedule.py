@@ -202,27 +202,9 @@ def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | 
     they are cut here for this cp rank, each stage gets the chunks' global position ids, and the
     labels are shifted over the whole row before the cut (docs/pipeline-parallel.md).
     """
-    if not isinstance(model, PipelinedModel):
-        raise UsageError(
-            f"smp.pipeline.step expects the model smp.transform returned with pipeline_parallel_degree > 1, "
-            f"got {type(model).__name__}"
-        )
-    labels = input_ids if labels is None and attention_mask is None else labels
-    if attention_mask is not None:
-        labels = _padding_ignored(input_ids, labels, attention_mask)
-    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-        raise UsageError(
-            f"smp.pipeline.step takes input_ids and labels of one shape [batch, seq]; got "
-            f"{tuple(input_ids.shape)} and {tuple(labels.shape)}"
-        )
-    pp = dist.get_world_size(model.pp_group)
-    try:
-        check_pipeline(model.pipe, pp, batch_size=input_ids.shape[0])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    labels, microbatches = checked_batch(model, "smp.pipeline.step", input_ids, labels, attention_mask)
     cp = _context_parallel(model, loss_fn, input_ids.shape[1])  # refuses what it cannot carry, before any collective
     cp_size = 1 if cp is None else cp.size
-    microbatches = model.pipe.microbatches or pp * len(model.stages)
     if model._schedule is None or model._loss_fn is not loss_fn:
         model._loss_fn = loss_fn
         model._schedule = model._build_schedule(microbatches)
@@ -264,6 +246,32 @@ def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | 
         dist.all_reduce(total, group=cp.group)
         total /= cp_size
     return total
+
+
+def checked_batch(model: nn.Module, caller: str, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                  attention_mask: torch.Tensor | None, elsewhere: str = "") -> tuple[torch.Tensor, int]:
+    """The labels `caller` (smp.pipeline.step / evaluate) scores (input_ids when none are given;
+    padding made -100) and the micro-batch count, after the checks on the model and the batch
+    that run before any collective. `elsewhere`: what to do with a model that is not pipelined."""
+    if not isinstance(model, PipelinedModel):
+        raise UsageError(
+            f"{caller} expects the model smp.transform returned with pipeline_parallel_degree > 1, "
+            f"got {type(model).__name__}{elsewhere}"
+        )
+    labels = input_ids if labels is None and attention_mask is None else labels
+    if attention_mask is not None:
+        labels = _padding_ignored(input_ids, labels, attention_mask)
+    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+        raise UsageError(
+            f"{caller} takes input_ids and labels of one shape [batch, seq]; got "
+            f"{tuple(input_ids.shape)} and {tuple(labels.shape)}"
+        )
+    pp = dist.get_world_size(model.pp_group)
+    try:
+        check_pipeline(model.pipe, pp, batch_size=input_ids.shape[0])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return labels, model.pipe.microbatches or pp * len(model.stages)
 
 
 def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: int) -> ContextParallelSetup | None:
