@@ -84,14 +84,17 @@ def _compare(model, reference, steps: int, padded: bool) -> dict:
     return report
 
 
-def step_error(config: dict, seq: int = SEQ, loss_fn: bool = False) -> str:
-    """The smp.Error smp.pipeline.step raises on this rank ('' if none)."""
+def step_error(config: dict, seq: int = SEQ, loss_fn: bool = False, evaluate: bool = False) -> str:
+    """The smp.Error smp.pipeline.step (or evaluate) raises on this rank ('' if none)."""
     with smp.session(config):
         torch.manual_seed(0)
         model = smp.transform(tiny_model("llama", layers=2))
         ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, seq))
         try:
-            smp.pipeline.step(model, ids, loss_fn=(lambda logits, labels: logits.sum()) if loss_fn else None)
+            if evaluate:
+                smp.pipeline.evaluate(model, ids)
+            else:
+                smp.pipeline.step(model, ids, loss_fn=(lambda logits, labels: logits.sum()) if loss_fn else None)
         except smp.Error as e:
             return f"{type(e).__name__}: {e}"
     return ""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from smp.context_parallel.attention import active as active_context_parallel
+from smp.errors import UsageError
 from smp.pipeline.schedule import IGNORE_INDEX, PipelinedModel, checked_batch
 
 
@@ -25,6 +27,14 @@ def evaluate(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tenso
         model, "smp.pipeline.evaluate", input_ids, labels, attention_mask,
         elsewhere="; evaluate any other model with model(input_ids, labels=labels).loss",
     )
+    setup = active_context_parallel()
+    if setup is not None and setup.size > 1:
+        # step cuts each row for its cp rank and hands the stages their global positions;
+        # evaluate feeds whole rows, which the stages' cp attention would read as chunks.
+        raise UsageError(
+            f"smp.pipeline.evaluate with context_parallel_degree={setup.size} is not built (it does not cut the "
+            f"rows for the cp ranks as smp.pipeline.step does); evaluate in a session with context_parallel_degree: 1"
+        )
     if model._schedule is None or model._loss_fn is not None:  # the default (token-mean) loss
         model._loss_fn = None
         model._schedule = model._build_schedule(microbatches)
