@@ -68,6 +68,13 @@ def _error(fn, *args, **kwargs) -> str:
 
 
 def _on_rank0(fn) -> None:
+    """Change the folder on rank 0 only after every rank is done with what came before, and
+    let no rank go on before the change is made. A collective that just ran (load's path check)
+    does not order a rank's later reads: rank 0 leaves it as soon as the others' data is in,
+    while they may still be about to read the folder. Without the first barrier rank 0 removed
+    a checkpoint that rank 1 then found half deleted (commit marker gone, `.metadata` still
+    there: "incomplete checkpoint" instead of the planted file's name) or gone."""
+    dist.barrier()
     if _rank0():
         fn()
     dist.barrier()
