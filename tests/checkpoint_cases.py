@@ -346,6 +346,112 @@ def import_hf(config: dict, hf_dir: str, tie: bool, dtype: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# export_hf of integer tensors (BatchNorm's num_batches_tracked, Swin's relative_position_index)
+
+def _integer_models():
+    """(name, tiny transformers model): ResNet (BatchNorm: int64 num_batches_tracked, 0-d) and
+    MaskFormer-Swin (a persistent int64 relative_position_index buffer, 2-d)."""
+    from transformers import MaskFormerSwinConfig, MaskFormerSwinModel, ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    resnet = ResNetForImageClassification(ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3))
+    swin = MaskFormerSwinModel(MaskFormerSwinConfig(
+        image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=2,
+        drop_path_rate=0.0))
+    return [("resnet", resnet), ("swin", swin)]
+
+
+def _whole_state(model) -> dict[str, torch.Tensor]:
+    return {k: full_tensor(v.detach()).clone() for k, v in model.state_dict().items()}
+
+
+def _bitwise_differences(expected: dict, got: dict) -> list[str]:
+    """Names whose dtype, shape or any bit differ (or that `got` lacks)."""
+    return sorted(k for k, v in expected.items()
+                  if k not in got or got[k].dtype != v.dtype or got[k].shape != v.shape or not torch.equal(got[k], v))
+
+
+def _train(model, name: str, steps: int) -> None:
+    """`steps` SGD steps on the same images on every rank (so every buffer stays the same on
+    every rank)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(step))
+        result = model(pixel_values=pixels)
+        loss = (torch.nn.functional.cross_entropy(result.logits, torch.tensor([0, 2])) if name == "resnet"
+                else result.last_hidden_state.square().mean())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def export_integer_tensors(config: dict, root: str, broken: str | None = None, only: str | None = None) -> dict:
+    """Each tiny model trained 3 steps in one process (BatchNorm in training mode counts them
+    in num_batches_tracked; smp refuses that mode under data parallelism), transformed, trained
+    one more step under smp (BatchNorm frozen), export_hf'd, then loaded with transformers'
+    from_pretrained and with load_hf into a fresh transformed model: per model, the names that
+    are not bitwise the trained ones, from_pretrained's loading info, the files and the integer
+    values (or load_hf's refusal). `broken` (negative controls): "omit" leaves the integer
+    tensors out of the folder, "wrong" writes each one plus 1; `only`: that model only."""
+    from smp.checkpointing import hf_nonfloat
+
+    write = hf_nonfloat.write
+    if broken == "omit":
+        hf_nonfloat.write = lambda directory, values: None
+    elif broken == "wrong":
+        hf_nonfloat.write = lambda directory, values: write(directory, {k: v + 1 for k, v in values.items()})
+    out = {}
+    try:
+        with smp.session(config):
+            for name, model in _integer_models():
+                if only not in (None, name):
+                    continue
+                cls = type(model)
+                model.train()
+                _train(model, name, 3)
+                model = smp.transform(model)
+                model.eval() if name == "resnet" else model.train()
+                _train(model, name, 1)
+                expected = _whole_state(model)
+                folder = os.path.join(root, name)
+                smp.checkpointing.export_hf(folder, model)
+                back, info = cls.from_pretrained(folder, output_loading_info=True)  # plain transformers
+                fresh = smp.transform(cls(model.config))
+                loaded = _error(smp.checkpointing.load_hf, folder, fresh)
+                out[name] = {
+                    "from_pretrained": _bitwise_differences(expected, back.state_dict()),
+                    "load_hf": loaded or _bitwise_differences(expected, _whole_state(fresh)),
+                    "info": {k: sorted(map(str, v)) for k, v in info.items()},
+                    "files": sorted(os.listdir(folder)),
+                    "integers": {k: v.tolist() for k, v in expected.items() if not v.is_floating_point()},
+                }
+    finally:
+        hf_nonfloat.write = write
+    return out
+
+
+def export_integer_refusals(config: dict, root: str) -> dict:
+    """export_hf of an integer buffer that differs between the ranks, and of one sharded over
+    them (a DTensor placed Shard(0)): the message on each rank, and what the root holds after."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    out = {}
+    with smp.session(config):
+        model = smp.transform(_integer_models()[0][1])
+        if dist.get_rank() == 1:
+            model.resnet.embedder.embedder.normalization.num_batches_tracked += 1
+        out["differs"] = _error(smp.checkpointing.export_hf, os.path.join(root, "differs"), model)
+        model = smp.transform(_integer_models()[0][1])
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model.classifier.register_buffer("bucket", distribute_tensor(torch.arange(8), mesh, [Shard(0)]))
+        out["sharded"] = _error(smp.checkpointing.export_hf, os.path.join(root, "sharded"), model)
+        dist.barrier()
+        out["listing"] = sorted(os.listdir(root))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Error paths: each returns the message smp raised (or "" when nothing was raised)
 
 

@@ -204,6 +204,42 @@ def test_load_hf_into_sharded_model(ranks, tmp_path, config, tie, dtype):
         assert r["logit_diff"] < 1e-4, r
 
 
+def test_export_integer_tensors_load_bitwise(ranks, tmp_path):
+    """Integer tensors (ResNet's num_batches_tracked after 3 training steps, MaskFormer-Swin's
+    persistent relative_position_index) come back bitwise from from_pretrained and load_hf,
+    every key found, none unexpected; they sit in one more file listed in the index."""
+    for r in ranks(2).run(cases.export_integer_tensors, config={}, root=str(tmp_path)):
+        for name, m in r.items():
+            assert m["from_pretrained"] == [] and m["load_hf"] == [], (name, m)
+            assert m["info"] == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}, m
+            assert "model-00002-of-00002.safetensors" in m["files"], m["files"]
+        counts = r["resnet"]["integers"]
+        assert len(counts) == 8 and set(counts.values()) == {3}, counts  # 8 BatchNorms, 3 steps each
+        assert len(r["swin"]["integers"]) == 2, r["swin"]["integers"]
+
+
+@pytest.mark.parametrize("broken", ["omit", "wrong"])
+def test_export_integer_tensors_control(ranks, tmp_path, broken):
+    """Negative controls: an export without the integer file, or with each value off by one,
+    fails the comparison above (omitted: from_pretrained reports them missing, load_hf refuses)."""
+    for r in ranks(2).run(cases.export_integer_tensors, config={}, root=str(tmp_path), broken=broken, only="resnet"):
+        m = r["resnet"]
+        assert len(m["from_pretrained"]) == 8 and all(k.endswith("num_batches_tracked") for k in m["from_pretrained"]), m
+        if broken == "omit":
+            assert len(m["info"]["missing_keys"]) == 8 and "missing keys (8" in m["load_hf"], m
+        else:
+            assert m["load_hf"] == m["from_pretrained"] and m["info"]["missing_keys"] == [], m
+
+
+def test_export_integer_tensors_refused(ranks, tmp_path):
+    """An integer buffer that differs between ranks, or is sharded, is refused on every rank
+    by name before anything is written."""
+    for r in ranks(2).run(cases.export_integer_refusals, config={}, root=str(tmp_path)):
+        assert "embedder.normalization.num_batches_tracked differs between ranks" in r["differs"], r["differs"]
+        assert "classifier.bucket is a DTensor placed (Shard(dim=0),)" in r["sharded"], r["sharded"]
+        assert r["listing"] == [], r["listing"]  # no folder, no partial
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 def test_error_messages(ranks, tmp_path):

@@ -3,7 +3,9 @@
 Export: every rank writes its own shards through DCP's `HuggingFaceStorageWriter`; rank 0 then
 consolidates them, file to file, into `model-0000k-of-0000n.safetensors` plus
 `model.safetensors.index.json`, and writes the model's `config.json`, so `from_pretrained`
-loads the folder with no smp installed. The folder appears atomically, as a checkpoint does.
+loads the folder with no smp installed. Integer, bool and complex tensors (BatchNorm's
+`num_batches_tracked`), which that consolidation cannot write, go into one more file written by
+rank 0 (hf_nonfloat.py). The folder appears atomically, as a checkpoint does.
 
 Import: each rank asks DCP's `HuggingFaceStorageReader` for exactly the slices of each tensor
 that its shards hold (safetensors reads slices from the memory-mapped file), so no rank ever
@@ -28,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from smp.checkpointing import atomic, metadata
+from smp.checkpointing import atomic, hf_nonfloat, metadata
 from smp.checkpointing.collective import is_dist as _dist
 from smp.checkpointing.collective import on_rank0
 from smp.checkpointing.collective import rank as _rank
@@ -84,17 +86,20 @@ def export_hf(
     # ranks write one folder together (each its stages' tensors, rank 0 consolidates).
     model, _, pp_group = stages_view(model)
     state = _one_copy_of_tied(get_model_state_dict(model), model)
-    if pp_group is None:  # a pipeline's stages hold different tensors: not decidable alone on each rank
-        _refuse_integer_tensors(state, out_dir)
+    shapes = whole_model_shapes(metadata.tensor_shapes(state), pp_group, f"export_hf {out_dir!r}")
+    # Integer, bool and complex tensors bypass torch's consolidation: checked whole and equal
+    # on every rank here (or refused by name), written by rank 0 as one more file.
+    nonfloat = hf_nonfloat.check({k: v for k, v in state.items() if not hf_nonfloat.consolidatable(v)},
+                                 pp_group, out_dir)
+    state = {k: v for k, v in state.items() if hf_nonfloat.consolidatable(v)}
     if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        state = {k: v.to(dtype) for k, v in state.items()}
     sizes = [(k, v.numel() * v.element_size()) for k, v in state.items()]
     scalars = {k: v.detach().cpu() for k, v in state.items() if v.dim() == 0}  # whole on every rank holding them
     if pp_group is not None:  # every rank needs the whole model's file layout; rank 0 its scalars
         parts = gather_over_pipeline((sizes, scalars), pp_group)
         sizes = [entry for part, _ in parts for entry in part]
         scalars = {k: v for _, part in parts for k, v in part.items()}
-    shapes = whole_model_shapes(metadata.tensor_shapes(state), pp_group, f"export_hf {out_dir!r}")
     meta = metadata.build(shapes, False, "hf", dims)
     tmp = _agree_on_tmp(out_dir, "hf")
     try:
@@ -107,6 +112,7 @@ def export_hf(
         def finish() -> None:
             shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)  # per-rank pieces
             _write_scalars(tmp, scalars)
+            hf_nonfloat.write(tmp, nonfloat)  # renames the files: after _write_scalars read the index
             _save_model_config(model, tmp)
             metadata.write(tmp, meta)
             atomic.commit(out_dir, kind="hf")
@@ -117,20 +123,6 @@ def export_hf(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _refuse_integer_tensors(state: dict[str, torch.Tensor], out_dir: str) -> None:
-    """torch's safetensors consolidation (checked on 2.13) sizes every tensor with
-    `torch.finfo`, which fails on integer dtypes after every rank has written its part. Refused
-    first, on every rank (the names are the same everywhere), naming the tensors."""
-    integers = sorted(k for k, v in state.items() if not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool))
-    if integers:
-        raise CheckpointError(
-            f"export_hf {out_dir!r}: torch's safetensors consolidation cannot write integer tensors: "
-            f"{', '.join(integers[:4])}{' ...' if len(integers) > 4 else ''} ({len(integers)}; BatchNorm's "
-            "num_batches_tracked is one). Save with transformers' save_pretrained from the full state dict on rank 0 "
-            "(torch.distributed.checkpoint.state_dict.get_model_state_dict with full_state_dict=True), or smp.checkpointing.save "
-            "to resume.")
 
 
 def _write_scalars(directory: str, scalars: dict[str, torch.Tensor]) -> None:
