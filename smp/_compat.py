@@ -15,6 +15,7 @@ whatever is missing. tests/test_compat_layer.py checks that no other module of s
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import importlib
 import importlib.metadata
@@ -588,33 +589,56 @@ def track_dataloader(accelerator: Any, data_loader: Any) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def checkpoint_key_converter(model: nn.Module) -> Callable[[str, Any], tuple[str, bool]] | None:
-    """The function `from_pretrained` renames `model`'s checkpoint keys with, as
-    `convert(key, model_keys) -> (model key, needs a tensor conversion)`; None when transformers
-    has no conversion for this model. Built from `conversion_mapping.get_model_conversion_mapping`
-    (the transforms of the model and each nested PreTrainedModel, scoped to its prefix, plus the
-    legacy renames) and `core_model_loading.rename_source_key` (renames, then at most one
-    converter, then the base-model prefix added or stripped), both module-level names without a
-    leading underscore but outside transformers' documented API. `model` must be the plain
-    PreTrainedModel (not FSDP-wrapped: the lookup is by class name and module path)."""
-    mapping = _private("transformers.conversion_mapping", "get_model_conversion_mapping")
-    rename = _private("transformers.core_model_loading", "rename_source_key")
-    renaming = _private("transformers.core_model_loading", "WeightRenaming")
-    converter = _private("transformers.core_model_loading", "WeightConverter")
-    if None in (mapping, rename, renaming, converter):
-        raise unsupported("loading Hugging Face checkpoints through transformers' key conversion", "transformers")
-    conversions = mapping(model) or []
-    renamings = [c for c in conversions if isinstance(c, renaming)]
-    converters = [c for c in conversions if isinstance(c, converter)]
-    if not conversions:
-        return None
-    prefix = getattr(model, "base_model_prefix", None) or None
+class CheckpointConversion:
+    """transformers' own conversion of `model`'s checkpoint keys and tensors, as `from_pretrained`
+    applies it (`core_model_loading.convert_and_load_state_dict_in_model`, checked on 5.23):
 
-    def convert(key: str, model_keys: Any) -> tuple[str, bool]:
-        renamed, source_pattern = rename(key, renamings, converters, prefix, model_keys)
-        return renamed, source_pattern is not None
+    - `rename(key, model_keys) -> (model key, source pattern or None)`: the key after every
+      `WeightRenaming`, then at most one `WeightConverter` (`rename_source_key`); the pattern is
+      the converter's source pattern that matched, None when the key is only renamed.
+    - `convert(pattern, layer, sources) -> {model key: tensor}`: a fresh copy of the
+      converter owning `pattern` (from_pretrained deep-copies one per target) is given the
+      tensors of `sources` ({source pattern: [(file key, tensor or a function reading it)]}, in
+      `key_order`) under `layer` (the first target's model key, from_pretrained's "layer name")
+      and runs its operations (`WeightConverter.convert`, which names each result).
+    - `key_order`: the sort key from_pretrained visits a checkpoint's keys in
+      (`dot_natural_key`: `experts.2` before `experts.10`), which is the order a converter
+      stacks its sources in.
+    - `converter_of(pattern)`: the converter itself (the same object for each of its patterns).
 
-    return convert
+    `model` must be the plain PreTrainedModel (not FSDP-wrapped: the lookup is by class name and
+    module path); a meta-device copy does (operations that size their results read its shapes).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        mapping = _private("transformers.conversion_mapping", "get_model_conversion_mapping")
+        self._rename = _private("transformers.core_model_loading", "rename_source_key")
+        renaming = _private("transformers.core_model_loading", "WeightRenaming")
+        converter = _private("transformers.core_model_loading", "WeightConverter")
+        self.key_order = _private("transformers.core_model_loading", "dot_natural_key")
+        if None in (mapping, self._rename, renaming, converter, self.key_order):
+            raise unsupported("loading Hugging Face checkpoints through transformers' weight conversion", "transformers")
+        conversions = mapping(model) or []
+        self._renamings = [c for c in conversions if isinstance(c, renaming)]
+        self._converters = [c for c in conversions if isinstance(c, converter)]
+        self._by_pattern = {p: c for c in self._converters for p in c.source_patterns}
+        self._prefix = getattr(model, "base_model_prefix", None) or None
+        self.model = model
+        self.empty = not conversions
+
+    def rename(self, key: str, model_keys: Any) -> tuple[str, str | None]:
+        return self._rename(key, self._renamings, self._converters, self._prefix, model_keys)
+
+    def converter_of(self, pattern: str) -> Any:
+        return self._by_pattern[pattern]
+
+    def convert(self, pattern: str, layer: str, sources: dict[str, list[tuple[str, Any]]]) -> dict[str, torch.Tensor]:
+        converter = copy.deepcopy(self._by_pattern[pattern])
+        for source_pattern, tensors in sources.items():
+            for key, tensor in tensors:
+                converter.add_tensor(layer, key, source_pattern, tensor)
+        out = converter.convert(layer, model=self.model, config=self.model.config)
+        return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
 
 
 # --- smp.sagemaker: FSDP1-era helpers SMP v2 scripts call (checked on torch 2.13.0) ----------

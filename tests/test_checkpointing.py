@@ -264,3 +264,39 @@ def test_error_messages(ranks, tmp_path):
             assert "is not an smp sharded checkpoint" in e[key] and "would delete" in e[key], e[key]
         assert e["listing"] == ["half", "hf", "random_dir", "tiny"], e["listing"]
         assert e["latest"] == "tiny"
+
+
+# --- load_hf through transformers' converters --------------------------------------------------
+
+CONVERTED = [
+    # family, smp config, built on meta, folder in the model's own layout, negative control (a
+    # mistake the bitwise comparison must catch)
+    ("mixtral", {"expert_parallel_degree": 2}, False, False, "expert_order"),
+    ("mixtral", {"tensor_parallel_degree": 2}, False, False, "expert_order"),
+    ("tipsv2", {}, True, False, "swap_outputs"),
+    ("mixtral", {"tensor_parallel_degree": 2}, False, True, "box_read"),
+]
+
+
+@pytest.mark.parametrize("family,config,meta,model_layout,tamper", CONVERTED,
+                         ids=["mixtral-ep2", "mixtral-tp2", "tipsv2-meta-fsdp2", "mixtral-tp2-fused-file"])
+def test_load_hf_convert_equals_from_pretrained(ranks, tmp_path, family, config, meta, model_layout, tamper):
+    """A folder save_pretrained wrote in the layout transformers converts on load (Mixtral's
+    per-expert w1/w2/w3 stacked and joined; TIPSv2's fused qkv and w12 chunked) loads through
+    load_hf at world 2 bitwise equal to from_pretrained of the folder, every parameter and
+    persistent buffer: expert-parallel, tensor-parallel (the experts' packed gate|up split),
+    and a meta model under FSDP. Negative controls beside them: experts stacked in reverse order
+    or two chunks swapped differ, so the comparison would see a wrong conversion. The last case
+    holds the fused layout in the file (nothing to convert) under TP: the packed gate|up is read
+    whole and split by its placements; read as DCP's one box per rank (the control) it differs."""
+    from tests import hf_conversion_cases as hcases
+
+    for r in ranks(2).run(hcases.load_like_from_pretrained, config=config, family=family, meta=meta,
+                          model_layout=model_layout, directory=str(tmp_path / family),
+                          tampers=("", tamper), timeout=240):
+        assert bool(r["converted_keys"]) != model_layout, r  # the folder's layout, as intended
+        assert r[""]["error"] == "" and r[""]["differ"] == [] and r[""]["missing"] == [], r
+        assert r[""]["compared"] > 10, r
+        broken = r[tamper]
+        assert broken["error"] == "" and broken["differ"], r
+        assert all(("experts" in n) if family == "mixtral" else ("proj" in n) for n in broken["differ"]), broken

@@ -10,7 +10,10 @@ rank 0 (hf_nonfloat.py). The folder appears atomically, as a checkpoint does.
 Import: each rank asks DCP's `HuggingFaceStorageReader` for exactly the slices of each tensor
 that its shards hold (safetensors reads slices from the memory-mapped file), so no rank ever
 holds more than its own shards plus one slice in flight: the whole model is never
-materialised on one rank.
+materialised on one rank. Two kinds of tensor are read whole instead (hf_conversion.py): those
+from_pretrained converts with transformers' own converters (per-expert tensors stacked, a fused
+qkv chunked; one converter's sources at a time), and packed tensor-parallel weights, whose part
+on a rank is not one box of the tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import re
 import shutil
 import warnings
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,6 +34,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from smp.checkpointing import atomic, hf_nonfloat, metadata
+from smp.checkpointing import hf_conversion
 from smp.checkpointing.collective import is_dist as _dist
 from smp.checkpointing.collective import on_rank0
 from smp.checkpointing.collective import rank as _rank
@@ -258,10 +262,11 @@ def _model_key(key: str, model_keys: set[str], prefix: str) -> str | None:
     return None
 
 
-def _key_converter(model: nn.Module) -> Callable[[str, Any], tuple[str, bool]] | None:
-    """transformers' own renaming of checkpoint keys for `model`'s class (what `from_pretrained`
-    applies: LLaVA's `language_model.model.*` -> `model.language_model.*`, ViT's
-    `vit.encoder.layer.*` -> `vit.layers.*`, the legacy renames), or None outside transformers.
+def _key_converter(model: nn.Module) -> _compat.CheckpointConversion | None:
+    """transformers' own conversion of checkpoint keys and tensors for `model`'s class (what
+    `from_pretrained` applies: LLaVA's `language_model.model.*` -> `model.language_model.*`, ViT's
+    `vit.encoder.layer.*` -> `vit.layers.*`, the legacy renames, and converters such as
+    per-expert tensors stacked into one), or None outside transformers or where it has none.
     Asked of the class rebuilt from its config on the meta device: the transformed model's
     classes (FSDP's `FSDP<Name>`) and module paths (checkpoint wrappers) are not the ones
     transformers looks up."""
@@ -276,20 +281,22 @@ def _key_converter(model: nn.Module) -> Callable[[str, Any], tuple[str, bool]] |
             plain = _user_class(model)(model.config)
     except Exception:  # noqa: BLE001 - no rebuild: keys are matched as they are (mismatches raise)
         return None
-    return _compat.checkpoint_key_converter(plain)
+    conversion = _compat.CheckpointConversion(plain)
+    return None if conversion.empty else conversion
 
 
 def _plan_hf_load(
     saved: dict[str, list[int]], model: nn.Module, model_shapes: dict[str, list[int]], source: str,
-    convert: Callable[[str, Any], tuple[str, bool]] | None = None,
-) -> tuple[dict[str, str], list[str]]:
-    """(checkpoint key -> model key for each tensor to read, what was forgiven, for the log).
+    conversion: _compat.CheckpointConversion | None = None,
+) -> tuple[dict[str, str], list[hf_conversion.Group], list[str]]:
+    """(checkpoint key -> model key for each tensor read as it is, the groups of keys transformers'
+    converters turn into model tensors (hf_conversion.plan), what was forgiven, for the log).
 
     Follows from_pretrained's rules: keys renamed by transformers' own conversion for the model
-    (`convert`, from `_key_converter`; a key the model holds as it is stays itself), then
+    (`conversion`, from `_key_converter`; a key the model holds as it is stays itself), then
     `_from_pretrained_rules`; a tied parameter is read once, from the first of its names the
     file holds. Raises CheckpointError for anything else that does not match: missing or
-    unexpected keys, shape mismatches, keys whose conversion changes the tensor itself.
+    unexpected keys, shape mismatches (a converted tensor's shape is its converter's result).
     """
     prefix, ignore_unexpected, ignore_missing, non_persistent = _from_pretrained_rules(model)
     model_keys = set(model_shapes)
@@ -298,18 +305,19 @@ def _plan_hf_load(
     present: set[str] = set()
     ignored: list[str] = []
     unexpected: dict[str, list[int]] = {}
-    tensor_conversions: list[str] = []
+    converted: dict[str, tuple[str, str]] = {}  # checkpoint key -> (model key, converter pattern)
     for key in saved:
-        target, renamed = None, key
-        if convert is not None:
-            renamed, converts = convert(key, lookup)
+        target, renamed, pattern = None, key, None
+        if conversion is not None:
+            renamed, pattern = conversion.rename(key, lookup)
             if renamed not in model_keys and key in model_keys:
-                renamed, converts = key, False  # from_pretrained's fallback: the key as it is
+                renamed, pattern = key, None  # from_pretrained's fallback: the key as it is
             if renamed in model_keys:
                 target = renamed
-                if converts:
-                    tensor_conversions.append(key)
-        if target is None:
+        if pattern is not None and target is not None:
+            converted[key] = (target, pattern)
+            continue
+        if target is None and pattern is None:
             target = _model_key(renamed, model_keys, prefix)
         if target is None:
             target = _model_key(renamed, non_persistent, prefix)
@@ -322,6 +330,23 @@ def _plan_hf_load(
         else:
             mapping[key] = target
             present.add(target)
+    groups = hf_conversion.plan(converted, saved, conversion, source) if converted else []
+    produced = {name: shape for group in groups for name, shape in group.targets.items()}
+    both = sorted(present & set(produced))
+    if both:
+        key = next(k for k, v in mapping.items() if v == both[0])
+        raise CheckpointError(
+            f"{source} holds {key!r}, the model's {both[0]!r}, and also tensors that from_pretrained "
+            f"converts into it; from_pretrained's result is not defined for such a file"
+        )
+    tied_converted = sorted(n for names in _tied_groups(model) for n in names if n in produced)
+    if tied_converted:
+        raise CheckpointError(
+            f"{source}: {tied_converted[0]!r} is a tied parameter and a converted tensor; load_hf does not "
+            "load converted tensors into tied parameters. Load the folder with from_pretrained, then "
+            "smp.transform the model."
+        )
+    present |= set(produced)
     tied_alias: set[str] = set()
     for names in _tied_groups(model):
         in_file = [n for n in names if n in present]
@@ -342,19 +367,24 @@ def _plan_hf_load(
     if prefix and mapping and all(v == f"{prefix}.{k}" for k, v in mapping.items()):
         forgiven_missing |= {k for k in absent if not k.startswith(prefix + ".")}
     ignored.extend(sorted(f"{k} (missing, keeps its init)" for k in forgiven_missing))
-    metadata.check_compatible(
-        {**{mapping[k]: v for k, v in saved.items() if k in mapping}, **unexpected},
-        model_shapes, source, frozenset(tied_alias | forgiven_missing),
-    )
-    if tensor_conversions:
-        raise CheckpointError(
-            f"{source} holds {len(tensor_conversions)} tensor(s) that from_pretrained converts, not "
-            f"only renames, for this model (e.g. {', '.join(sorted(tensor_conversions)[:3])}): load_hf "
-            "reads each rank's slices as they are in the file and cannot convert them. Load the "
-            "folder with from_pretrained, then smp.transform the model (or export_hf it once "
-            "and load_hf that folder)."
+    try:
+        metadata.check_compatible(
+            {**{mapping[k]: v for k, v in saved.items() if k in mapping}, **produced, **unexpected},
+            model_shapes, source, frozenset(tied_alias | forgiven_missing),
         )
-    return mapping, ignored
+    except CheckpointError as e:
+        if conversion is None or "missing keys" not in str(e):
+            raise
+        config = getattr(model, "config", None)
+        detail = str(e).split("\n", 1)[-1]
+        raise CheckpointError(
+            f"{source} leaves tensors of this model unloaded after transformers' own key conversion for "
+            f"{_user_class(model).__name__} (model_type {getattr(config, 'model_type', None)!r}), which "
+            "from_pretrained applies too: it would leave them at a fresh random init (if save_pretrained "
+            "wrote this folder from this class, transformers' saving and loading disagree for this class "
+            f"and config):\n{detail}"
+        ) from None
+    return mapping, groups, ignored
 
 
 def _meta_names(model: nn.Module) -> list[str]:
@@ -503,9 +533,11 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
 
     Every rank reads only its own slices. Tensors are cast to the model's dtypes. Loads what
     `from_pretrained` loads for the same model: keys renamed by transformers' own conversion
-    for the model's class (older layouts such as LLaVA's `language_model.model.*`), legacy and
-    ignorable keys skipped (named in one warning on rank 0), base-model prefixes added or
-    stripped, a tied weight in the file once or twice; any other mismatch raises CheckpointError.
+    for the model's class (older layouts such as LLaVA's `language_model.model.*`), tensors
+    transformers' own converters turn into the model's (per-expert weights stacked, a fused qkv
+    chunked: read whole, converted, this rank's part kept), legacy and ignorable keys skipped
+    (named in one warning on rank 0), base-model prefixes added or stripped, a tied weight in
+    the file once or twice; any other mismatch raises CheckpointError.
 
     A model still on the meta device (`smp.transform(model, materialize=False)`, or
     `smp.transform(model, weights=hf_dir)` which calls this) is allocated on `device` (default:
@@ -525,11 +557,14 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
     state = get_model_state_dict(model)
     local_shapes = metadata.tensor_shapes(state)
     shapes = whole_model_shapes(local_shapes, pp_group, f"load_hf {hf_dir!r}")
-    mapping, ignored = _plan_hf_load(_hf_shapes(hf_dir), stages[0], shapes, source, _key_converter(stages[0]))
+    conversion = _key_converter(stages[0])
+    mapping, groups, ignored = _plan_hf_load(_hf_shapes(hf_dir), stages[0], shapes, source, conversion)
+    files = hf_conversion.source_files(hf_dir, groups, source)  # the converters' sources, read whole
     whole_mapping, mapping = mapping, {key: target for key, target in mapping.items() if target in local_shapes}
     copies = _tied_copies(whole_mapping, mapping, _tied_groups(model), local_shapes)
     if on_meta:
-        read = set(mapping.values()) | {n for g in _tied_groups(model) if set(g) & set(mapping.values()) for n in g}
+        read = (set(mapping.values()) | {n for g in _tied_groups(model) if set(g) & set(mapping.values()) for n in g}
+                | {name for group in groups for name in group.targets})
         unread = [n for n in _meta_names(model) if n in state and n not in read]
         if unread:
             raise CheckpointError(
@@ -547,14 +582,22 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
             f"(legacy buffers, ignorable or duplicate tied keys): {', '.join(ignored)}",
             SMPWarning, stacklevel=2,
         )
-    # Keyed by the file's names, holding the model's tensors: DCP writes straight into them.
+    # Keyed by the file's names, holding the model's tensors: DCP writes straight into them. A
+    # DTensor holding no single box of its tensor (a packed TP weight) gets a whole-size buffer,
+    # placed by its own placements after the read (hf_conversion.read_whole).
     to_read = {key: state[target] for key, target in mapping.items()}
+    whole = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in to_read.items() if hf_conversion.read_whole(t)}
+    to_read.update(whole)
     try:
         dcp.load(to_read, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=not _dist())
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise load_error(e, hf_dir) from None
+    for key, value in whole.items():
+        hf_conversion.place(value, state[mapping[key]], mapping[key], source)
+    del whole
+    hf_conversion.load(groups, conversion, files, state, source)  # local reads: no collective
     with torch.no_grad():
         for source, target in copies:  # the other copies of a tie across pipeline stages
             _local(state[target]).copy_(_local(state[source]))

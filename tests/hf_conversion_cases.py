@@ -1,0 +1,113 @@
+"""Rank-side cases for `load_hf` of folders whose tensors from_pretrained converts, not only
+renames (tests/test_checkpointing.py, `test_load_hf_convert*`): tiny models built from
+transformers configs, written by save_pretrained (which writes the converted tensors back in
+their original layout), loaded by load_hf into the transformed model and compared with
+from_pretrained of the same folder. Each function returns plain data to the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+import smp
+from smp.checkpointing import hf_conversion
+from smp.testing.distributed import full_tensor
+
+
+def build(family: str) -> torch.nn.Module:
+    """mixtral: 4 experts per layer, saved per expert (`experts.<i>.w1/w2/w3.weight`), which
+    from_pretrained stacks (MergeModulelist) and joins (Concatenate w1 then w3). tipsv2: a
+    vision backbone with swiglu, saved with fused `attn.qkv` and `mlp.w12`, which from_pretrained
+    chunks into q/k/v and gate/up (Chunk)."""
+    import transformers as T
+
+    if family == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2))
+    if family == "tipsv2":
+        return T.Tipsv2VisionBackbone(T.Tipsv2VisionConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=8,
+            use_swiglu_ffn=True))
+    raise ValueError(family)
+
+
+def _tampered(tamper: str):
+    """(patch, undo) for a deliberately broken load: `expert_order` stacks the experts in reverse
+    order; `swap_outputs` gives a converter's first two results each other's values; `box_read`
+    lets DCP read a packed tensor-parallel weight as one box (its chunk offsets)."""
+    if tamper == "expert_order":
+        original, name = hf_conversion.in_load_order, "in_load_order"
+        patched = lambda keys, conversion: original(keys, conversion)[::-1]  # noqa: E731
+    elif tamper == "swap_outputs":
+        original, name = hf_conversion._converted, "_converted"
+
+        def patched(conversion, group, sources):
+            out = original(conversion, group, sources)
+            first, second = list(out)[:2]
+            out[first], out[second] = out[second], out[first]
+            return out
+    elif tamper == "box_read":
+        original, name = hf_conversion.read_whole, "read_whole"
+        patched = lambda t: False  # noqa: E731
+    else:
+        raise ValueError(tamper)
+    return (lambda: setattr(hf_conversion, name, patched)), (lambda: setattr(hf_conversion, name, original))
+
+
+def load_like_from_pretrained(config: dict, family: str, directory: str, tampers: tuple[str, ...] = ("",),
+                              meta: bool = False, model_layout: bool = False) -> dict:
+    """save_pretrained (rank 0) -> load_hf into the transformed model, once per entry of
+    `tampers` ("" = as shipped), each compared with from_pretrained of the folder: {tamper:
+    {"error", "differ" (names not bitwise equal), "compared"}}, plus "converted_keys" (the
+    folder's keys in the original layout, proof that a conversion was needed). `model_layout`:
+    the folder holds the model's own state dict instead (fused experts: nothing to convert)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out: dict = {}
+    try:
+        with smp.session(config):
+            if dist.get_rank() == 0:
+                torch.manual_seed(7)
+                model = build(family)
+                if model_layout:
+                    os.makedirs(directory)
+                    model.config.save_pretrained(directory)
+                    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                              os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+                else:
+                    model.save_pretrained(directory)
+            dist.barrier()
+            with safe_open(os.path.join(directory, "model.safetensors"), framework="pt") as f:
+                out["converted_keys"] = sorted(k for k in f.keys() if ".experts.0." in k or ".qkv." in k or ".w12." in k)
+            reference = type(build(family)).from_pretrained(directory).state_dict()
+            for tamper in tampers:
+                if meta:
+                    with torch.device("meta"):
+                        model = build(family)
+                    model = smp.transform(model, materialize=False)
+                else:
+                    torch.manual_seed(99)  # other values than the folder's
+                    model = smp.transform(build(family))
+                patch, undo = _tampered(tamper) if tamper else (lambda: None, lambda: None)
+                patch()
+                try:
+                    smp.checkpointing.load_hf(directory, model)
+                except smp.CheckpointError as e:
+                    out[tamper] = {"error": str(e)}
+                    continue
+                finally:
+                    undo()
+                state = model.state_dict()
+                differ = sorted(n for n, t in state.items() if not torch.equal(full_tensor(t.detach()), reference[n]))
+                out[tamper] = {"error": "", "differ": differ, "compared": len(state),
+                               "missing": sorted(set(reference) - set(state))}
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+    return out
