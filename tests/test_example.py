@@ -37,7 +37,7 @@ def _records(out_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_finetune_two_ranks_resume_and_export(tmp_path):
+def test_finetune_two_ranks_resume_and_export(tmp_path, monkeypatch):
     first, resumed = tmp_path / "run", tmp_path / "resumed"
     _launch("--output-dir", str(first), "--steps", "8", "--checkpoint-every", "4", "--eval-every", "4")
     records = _records(first)
@@ -73,29 +73,42 @@ def test_finetune_two_ranks_resume_and_export(tmp_path):
     assert trained == pytest.approx(evals[-1], abs=2e-3)  # the exported model scores the run's eval loss
     assert trained < losses[0] - 0.5
 
-    # Fine-tune from that local folder: its weights are loaded into the sharded model.
+    # Fine-tune from that local folder: its weights are loaded (load_hf), not a random init. In
+    # this process (a third launch cost ~15 s): the example's --model path is the same at any
+    # world size, and load_hf into a model sharded over 2 ranks is proven exact by
+    # tests/test_checkpointing.py::test_load_hf_into_sharded_model.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SMP_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
     tuned = tmp_path / "tuned"
-    _launch("--model", str(first / "hf"), "--output-dir", str(tuned), "--steps", "2", "--lr", "1e-4",
-            "--checkpoint-every", "0", "--eval-every", "0", "--no-export")
+    example.main(["--model", str(first / "hf"), "--output-dir", str(tuned), "--steps", "2", "--lr", "1e-4",
+                  "--checkpoint-every", "0", "--eval-every", "0", "--no-export", "--no-progress"])
     assert _records(tuned)[0]["loss"] < losses[0] - 0.5  # starts trained, not from random init
 
 
 PIPELINE_CONFIG = os.path.join(ROOT, "examples", "configs", "pipeline.yaml")
+PIPELINE_COMMON = ["--steps", "4", "--eval-every", "2", "--no-progress"]
 
 
-def test_pipeline_config_trains_like_one_process(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def pipelined_run(tmp_path_factory):
+    """One pipelined run at world 2 (checkpoints at steps 2 and 4, evals at 2 and 4, the export)
+    for the tests below: each launch costs ~15 s of start-up on 2 cores."""
+    pp = tmp_path_factory.mktemp("example") / "pp"
+    proc = _launch("--config", PIPELINE_CONFIG, "--output-dir", str(pp), "--checkpoint-every", "2", *PIPELINE_COMMON)
+    return pp, proc.stdout
+
+
+def test_pipeline_config_trains_like_one_process(pipelined_run, tmp_path, monkeypatch):
     """examples/configs/pipeline.yaml (2 stages, 1F1B, 4 micro-batches) at world 2, nothing else
     changed: per-step loss, gradient norm and eval loss equal the one-process run's (1e-5); its
     checkpoint resumes in one process (no pipeline) to the uninterrupted losses; its export
     loads with from_pretrained and scores the run's eval loss."""
-    pp, single, resumed = tmp_path / "pp", tmp_path / "single", tmp_path / "resumed"
-    common = ["--steps", "4", "--eval-every", "2", "--no-progress"]
-    proc = _launch("--config", PIPELINE_CONFIG, "--output-dir", str(pp), "--checkpoint-every", "2", *common)
-    assert "pp 2 x" in proc.stdout, proc.stdout[-2000:]
+    (pp, stdout), single, resumed = pipelined_run, tmp_path / "single", tmp_path / "resumed"
+    assert "pp 2 x" in stdout, stdout[-2000:]
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SMP_CONFIG"):
         monkeypatch.delenv(key, raising=False)
     example = _example()
-    example.main(["--output-dir", str(single), "--checkpoint-every", "0", "--no-export", *common])
+    example.main(["--output-dir", str(single), "--checkpoint-every", "0", "--no-export", *PIPELINE_COMMON])
     records, expected = _records(pp), _records(single)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "eval_loss"):
@@ -104,7 +117,7 @@ def test_pipeline_config_trains_like_one_process(tmp_path, monkeypatch):
         assert [g for g in got if g is not None] == pytest.approx([w for w in want if w is not None], abs=1e-5), key
 
     example.main(["--output-dir", str(resumed), "--resume", str(pp / "checkpoints" / "step_2"),
-                  "--checkpoint-every", "0", "--no-export", *common])
+                  "--checkpoint-every", "0", "--no-export", *PIPELINE_COMMON])
     assert [r["loss"] for r in _records(resumed)] == pytest.approx([r["loss"] for r in records[2:]], abs=1e-5)
 
     from transformers import AutoModelForCausalLM
@@ -117,15 +130,17 @@ def test_pipeline_config_trains_like_one_process(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_pipeline_resume_at_pp2(tmp_path):
+def test_pipeline_resume_at_pp2(pipelined_run, tmp_path):
     """The pipelined run's checkpoint loaded back into 2 stages: the resumed steps repeat the
-    uninterrupted run's losses."""
-    first, resumed = tmp_path / "run", tmp_path / "resumed"
-    common = ["--config", PIPELINE_CONFIG, "--steps", "4", "--eval-every", "0", "--no-export"]
-    _launch("--output-dir", str(first), "--checkpoint-every", "2", *common)
-    _launch("--output-dir", str(resumed), "--resume", str(first / "checkpoints" / "step_2"), "--checkpoint-every", "0",
-            *common)
-    assert [r["loss"] for r in _records(resumed)] == pytest.approx([r["loss"] for r in _records(first)[2:]], abs=1e-5)
+    uninterrupted run's losses and its last evaluation."""
+    first, _ = pipelined_run
+    resumed = tmp_path / "resumed"
+    _launch("--config", PIPELINE_CONFIG, "--output-dir", str(resumed), "--resume", str(first / "checkpoints" / "step_2"),
+            "--checkpoint-every", "0", "--no-export", *PIPELINE_COMMON)
+    again, records = _records(resumed), _records(first)[2:]
+    assert [r["step"] for r in again] == [3, 4]
+    for key in ("loss", "eval_loss"):
+        assert [r.get(key) for r in again] == pytest.approx([r.get(key) for r in records], abs=1e-5), key
 
 
 def test_errors_are_clear(tmp_path):
