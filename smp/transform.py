@@ -20,7 +20,7 @@ from smp.pipeline import build_pipeline
 from smp.pipeline.split import layer_modules
 from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_meta_model
 from smp.sharding.delayed_init import materialize_stages
-from smp.sharding.fsdp import fsdp_needed, settle_partial_grads, torch_dtype
+from smp.sharding.fsdp import block_reshard_after_forward, fsdp_needed, settle_partial_grads, torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
 from smp.tensor_parallel import apply_tensor_parallel
 
@@ -166,9 +166,12 @@ def apply_parallelism(
     dtypes = dict(param_dtype=torch_dtype(mp.param_dtype), output_dtype=torch_dtype(mp.output_dtype))
     if fsdp_needed(shard_mesh.size(), **dtypes, cpu_offload=cfg.cpu_offload,
                    custom_sync=sync.algorithm != "default" or by_hook):
+        reshard = block_reshard_after_forward(
+            cfg.reshard_after_forward, explicit="reshard_after_forward" in cfg.model_fields_set,
+            shard_ranks=dims.dp_shard * dims.cp, cpu_offload=cfg.cpu_offload)
         apply_fsdp(
             model, shard_mesh, blocks, **dtypes, reduce_dtype=torch_dtype(mp.reduce_dtype),
-            cast_forward_inputs=mp.cast_forward_inputs, reshard_after_forward=cfg.reshard_after_forward,
+            cast_forward_inputs=mp.cast_forward_inputs, reshard_after_forward=reshard,
             cpu_offload=cfg.cpu_offload,
         )
     elif dims.tp > 1:

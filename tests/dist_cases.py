@@ -6,6 +6,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import smp
 from smp.testing.distributed import full_tensor, local_rows, local_tensor, max_grad_diff, world_mean
@@ -83,6 +84,17 @@ def fsdp_units(config: dict, kind: str) -> int:
     with smp.session(config):
         model = smp.transform(build(kind))
         return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def blocks_gathered_after_forward(config: dict, kind: str) -> list[bool]:
+    """Per FSDP block unit: whether its parameters are still gathered after a forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    with smp.session(config):
+        model = smp.transform(build(kind))
+        loss_of(model, local_rows(random_batch(GLOBAL_BATCH, SEQ, 128, seed=7)))
+        blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+        return [not isinstance(next(b.parameters()), DTensor) for b in blocks]
 
 
 def clip_equivalence(config: dict) -> tuple[float, float]:

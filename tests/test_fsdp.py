@@ -83,6 +83,19 @@ def test_reshard_after_forward_false(ranks):
         assert report["loss_diff"] < LOSS_TOL and report["grad_diff"] < GRAD_TOL, report
 
 
+BF16 = {"mixed_precision": {"param_dtype": "bf16"}}
+
+
+@pytest.mark.parametrize("world,config,gathered", [
+    (1, BF16, True),  # one-rank shard group, unset: kept gathered (resharding frees only bf16 copies)
+    (1, {**BF16, "reshard_after_forward": True}, False),  # set by the user: as set
+    (2, BF16, False),  # sharded over two ranks: resharded after forward, the default
+], ids=["world-1", "world-1-explicit", "world-2"])
+def test_reshard_after_forward_default_over_one_rank(ranks, world, config, gathered):
+    for blocks in ranks(world).run(dist_cases.blocks_gathered_after_forward, config=config, kind="llama"):
+        assert blocks and all(b == gathered for b in blocks), blocks
+
+
 @pytest.mark.parametrize("world,config", [(2, {}), (4, {"hybrid_shard_degree": 2})])
 def test_clip_grad_norm(ranks, world, config):
     for norm_diff, grad_diff in ranks(world).run(dist_cases.clip_equivalence, config=config):

@@ -71,6 +71,13 @@ def release_workspace() -> None:
     _WORKSPACE.clear()
 
 
+def _divisor(value: float, like: torch.Tensor) -> torch.Tensor:
+    """`value` as a 0-d tensor on `like`'s device, to divide by. CUDA divides by a Python (CPU)
+    scalar as a multiply by its reciprocal, which can differ from the division in the last bit;
+    by a device tensor it divides (IEEE, correctly rounded) as the CPU and the kernels do."""
+    return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
 def _spans(rows: int, cols: int, block: int):
     """Column ranges [c0, c1) of ~_SPAN_ELEMENTS elements over all rows, cut at block edges."""
     span = max(block, max(_MIN_SPAN_COLS, _SPAN_ELEMENTS // rows) // block * block)
@@ -123,7 +130,7 @@ def _quantize_span(x, block, kind, residual, codes, scale) -> None:
     tiles = work.view(rows, nb, block)
     # absmax = max(max, -min): two fast reductions instead of abs() over the whole span;
     # abs_() turns a -0.0 from an all-zero block into the +0.0 that abs().amax() would give.
-    torch.maximum(tiles.amax(dim=-1), tiles.amin(dim=-1).neg_(), out=scale).abs_().div_(QMAX[kind])
+    torch.maximum(tiles.amax(dim=-1), tiles.amin(dim=-1).neg_(), out=scale).abs_().div_(_divisor(QMAX[kind], scale))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     _encode_into(codes, tiles.div_(safe[..., None]).view(rows, -1)[:, :cols], kind)
     if residual is not None:
@@ -188,7 +195,7 @@ def dequantize_accumulate_torch(
         span = acc[c0:c1].zero_()
         for r in range(rows):  # fixed order: bitwise equal to the Triton kernel's loop
             span += _dequantize_into(scratch, q[r, c0:c1], scale[r, b0:b1], block, kind)
-        span.div_(divisor)
+        span.div_(_divisor(divisor, span))
     return acc
 
 

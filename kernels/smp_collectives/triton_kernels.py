@@ -24,7 +24,10 @@ import triton.language as tl
 
 from smp_collectives.formats import QMAX, check_format, num_blocks
 
-_TILE = 4096  # elements per program: fewer programs is what the interpreter pays for
+# Elements per program, and warps per program on a GPU. The interpreter (CPU tensors) pays per
+# program, so it gets few large ones; on an H100 1024 elements x 8 warps moved the most bytes
+# (dequantise + accumulate of 8 rows: 0.80 of a device copy's bandwidth, vs 0.70 at 4096 x 4).
+_TILE_INTERPRETED, _TILE_GPU, _WARPS_GPU = 4096, 1024, 8
 
 
 @triton.jit
@@ -118,8 +121,11 @@ def _dequantize_accumulate_kernel(
     tl.store(out_ptr + col, tl.div_rn(acc, divisor), mask=mask)
 
 
-def _group(block: int) -> int:
-    return max(1, _TILE // block)
+def _launch(block: int, device: torch.device) -> tuple[int, dict]:
+    """(blocks per program, launch options) for tensors on `device`."""
+    if device.type == "cpu":
+        return max(1, _TILE_INTERPRETED // block), {"enable_fp_fusion": False}
+    return max(1, _TILE_GPU // block), {"enable_fp_fusion": False, "num_warps": _WARPS_GPU}
 
 
 def quantize(x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | None = None):
@@ -131,12 +137,11 @@ def quantize(x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | No
     scale = torch.empty((rows, nb), dtype=torch.float32, device=x.device)
     if residual is not None:
         assert residual.is_contiguous() and residual.dtype == torch.float32 and residual.shape == x.shape
-    group = _group(block)
+    group, options = _launch(block, x.device)
     grid = (triton.cdiv(nb, group), rows)
     _quantize_kernel[grid](
         x, residual if residual is not None else x, q, scale, cols, nb, QMAX[kind],
-        HAS_RES=residual is not None, IS_FP8=kind == "fp8", BLOCK=block, GROUP=group,
-        enable_fp_fusion=False,
+        HAS_RES=residual is not None, IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, **options,
     )
     return q, scale
 
@@ -150,10 +155,10 @@ def dequantize_accumulate(
     if out is None:
         out = torch.empty(cols, dtype=torch.float32, device=q.device)
     assert out.is_contiguous() and out.dtype == torch.float32 and out.numel() == cols
-    group = _group(block)
+    group, options = _launch(block, q.device)
     _dequantize_accumulate_kernel[(triton.cdiv(nb, group),)](
         q.contiguous(), scale.contiguous(), out, rows, cols, nb, float(divisor),
-        IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, enable_fp_fusion=False,
+        IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, **options,
     )
     return out
 
@@ -168,9 +173,9 @@ def dequantize(
     if out is None:
         out = torch.empty((rows, cols), dtype=torch.float32, device=q.device)
     assert out.is_contiguous() and out.dtype == torch.float32 and out.numel() == rows * cols
-    group = _group(block)
+    group, options = _launch(block, q.device)
     _dequantize_accumulate_kernel[(triton.cdiv(nb, group), rows)](
         q.contiguous(), scale.contiguous(), out, 1, cols, nb, 1.0,
-        IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, enable_fp_fusion=False,
+        IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, **options,
     )
     return out

@@ -3,9 +3,11 @@
 The same Llama-shaped model and the same user step (bf16 autocast, AdamW) twice: once plain
 (fp32 parameters, no smp), once through smp.transform at world 1 (FSDP2 with bf16 parameters
 and fp32 reduction). Both stay resident and are timed in alternating rounds, so clock and
-thermal drift hit both alike; goal: smp / plain <= 1.02 without checkpointing. MFU comes from
-smp.metrics for each activation_checkpointing mode and for `compile: true` (goal > 45% on H100
-for the best).
+thermal drift hit both alike; goal: smp / plain <= 1.02 without checkpointing. `compile: true`
+is timed against the plain loop with the same blocks compiled (`module.compile()` per decoder
+layer, torchtitan's way), with the same goal. MFU comes from smp.metrics for every setting; the
+goal is that smp's best MFU reaches the plain loop's best (eager or compiled): an absolute figure
+depends on the shape more than on smp (docs/gpu-check.md).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import smp
 from smp import metrics
 from smp.gpu_check import workload as wl
 from smp.gpu_check.report import FAIL, Figure, StepResult, check, skipped
+from smp.sharding.blocks import find_blocks
 
 NAME, TITLE = "step_time", "Step time and MFU vs plain PyTorch"
-RATIO_GOAL, MFU_GOAL = 1.02, 0.45
+RATIO_GOAL, MFU_GOAL = 1.02, 0.98  # smp / plain step time; smp's best MFU / plain's best MFU
 WARMUP, ROUND = 3, 2  # warm-up steps per model (compile happens here); steps per alternating turn
 BASE_CONFIG = {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
 SETTINGS = {
@@ -43,6 +46,17 @@ def _timed_steps(model, optimizer, ids, steps: int) -> list[float]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
+
+
+def _step_bytes(model, optimizer, ids) -> int:
+    """Device memory one step needs above what is resident before it (parameters, optimizer
+    state, the other model): activations, gradients, gathered or cast parameters."""
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    wl.train_step(model, optimizer, ids)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - resident
 
 
 def _alternate(smp_run, plain_run, steps: int) -> tuple[float, float]:
@@ -77,15 +91,32 @@ def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepRes
     ids = wl.batch(work, cfg.vocab_size, device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
     _timed_steps(plain, plain_opt, ids, WARMUP)
-    best_mfu = None
+    # The compiled baseline: the same weights, each decoder layer compiled, as the user's own loop
+    # would compile it (built only when a setting compiles; its optimizer state is its own).
+    plain_compiled = plain_compiled_opt = None
+    best_mfu = best_plain_mfu = None
     for setting, extra in SETTINGS.items():
+        compiled = bool(extra.get("compile"))
+        if compiled and plain_compiled is None:
+            # The compiled settings come last: the eager baseline's AdamW state (8 B a parameter)
+            # goes, so that three models fit (the 1B shape on an 80 GB card).
+            plain_opt = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            plain_compiled = copy.deepcopy(plain)
+            for block in find_blocks(plain_compiled):
+                block.compile()
+            plain_compiled_opt = torch.optim.AdamW(plain_compiled.parameters(), lr=1e-5)
+            _timed_steps(plain_compiled, plain_compiled_opt, ids, WARMUP)
+        base, base_opt = (plain_compiled, plain_compiled_opt) if compiled else (plain, plain_opt)
         try:
             with smp.session({**BASE_CONFIG, **extra}, backend="nccl"):
                 model = smp.transform(copy.deepcopy(plain))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 _timed_steps(model, opt, ids, WARMUP)
                 smp_s, plain_s = _alternate(lambda n: _timed_steps(model, opt, ids, n),
-                                            lambda n: _timed_steps(plain, plain_opt, ids, n), steps)
+                                            lambda n: _timed_steps(base, base_opt, ids, n), steps)
+                smp_bytes, plain_bytes = _step_bytes(model, opt, ids), _step_bytes(base, base_opt, ids)
                 del model, opt
         except torch.cuda.OutOfMemoryError as e:
             result.figures.append(Figure(f"{setting}: step time", None, "s", status="skipped",
@@ -99,23 +130,33 @@ def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepRes
             torch.cuda.empty_cache()
         achieved = work.tokens / smp_s * flops_per_token
         value = metrics.mfu(achieved, peak)
+        plain_value = metrics.mfu(work.tokens / plain_s * flops_per_token, peak)
         best_mfu = value if best_mfu is None or (value or 0) > best_mfu else best_mfu
+        if extra["activation_checkpointing"] == "none" and plain_value is not None:
+            best_plain_mfu = max(best_plain_mfu or 0.0, plain_value)
         result.figures.append(Figure(f"{setting}: step time (smp)", smp_s, "s",
                                      reason=f"{work.tokens / smp_s:.0f} tokens/s, {achieved / 1e12:.0f} TFLOP/s"))
         ratio = smp_s / plain_s
-        if extra["activation_checkpointing"] == "none" and "compile" not in extra:
-            result.figures.append(check(f"{setting}: smp / plain step time", ratio, ratio <= RATIO_GOAL,
-                                        f"<= {RATIO_GOAL}", reason=f"plain {plain_s:.4f} s"))
-        else:  # the plain loop neither checkpoints nor compiles: a comparison, not a goal
+        baseline = "plain, blocks compiled" if compiled else "plain"
+        if extra["activation_checkpointing"] == "none":
+            result.figures.append(check(f"{setting}: smp / {baseline} step time", ratio, ratio <= RATIO_GOAL,
+                                        f"<= {RATIO_GOAL}", reason=f"{baseline} {plain_s:.4f} s"))
+        else:  # the plain loop does not checkpoint: a comparison, not a goal
             result.figures.append(Figure(f"{setting}: smp / plain (no checkpointing) step time", ratio,
                                          reason=f"plain {plain_s:.4f} s"))
+        result.figures.append(Figure(f"{setting}: step memory (smp)", smp_bytes / 2**30, "GiB",
+                                     reason=f"{baseline}: {plain_bytes / 2**30:.2f} GiB (peak above the resident state)"))
         result.figures.append(Figure(f"{setting}: MFU", value, "fraction",
-                                     reason="" if value is not None else "peak FLOP/s unknown"))
-    name = metrics.device_name(device)
-    if "H100" in name.upper() and best_mfu is not None:
-        result.figures.append(check("best MFU (H100)", best_mfu, best_mfu > MFU_GOAL, f"> {MFU_GOAL}"))
+                                     reason=f"{baseline}: {plain_value:.3f}" if plain_value is not None
+                                     else "peak FLOP/s unknown"))
+    if best_mfu is not None and best_plain_mfu:
+        result.figures.append(check("best MFU: smp / plain", best_mfu / best_plain_mfu,
+                                    best_mfu / best_plain_mfu >= MFU_GOAL, f">= {MFU_GOAL}",
+                                    reason=f"smp {best_mfu:.3f}, plain {best_plain_mfu:.3f} "
+                                           f"({metrics.device_name(device)})"))
     else:
-        result.figures.append(Figure("best MFU", best_mfu, "fraction", reason=f"goal > {MFU_GOAL} applies to H100; device {name}"))
+        result.figures.append(Figure("best MFU", best_mfu, "fraction", reason="peak FLOP/s unknown for this device"))
+    del plain_compiled, plain_compiled_opt
     del plain, plain_opt
     gc.collect()
     torch.cuda.empty_cache()

@@ -16,7 +16,10 @@ from smp.gpu_check.timing import cuda_seconds
 NAME, TITLE = "triton_kernels", "Triton kernels (smp_collectives)"
 BLOCK = 256
 ROWS = 8  # destinations of a reduce-scatter (world 8)
-COLS = 2**23  # per row: 8 x 8 Mi fp32 = 256 MiB per bucket, far past any cache
+# Per row: 8 x 32 Mi fp32 = 1 GiB per bucket, far past any cache, and long enough that the
+# dequantise (8 bytes in 5 per element: ~0.15 ms on an H100) is timed, not its ~30 us launch
+# from Python (at 8 Mi per row the timed fraction swung 0.58-0.86 between runs).
+COLS = 2**25
 BANDWIDTH_GOAL = 0.70
 
 
@@ -96,5 +99,5 @@ def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepRes
     result = StepResult(NAME, TITLE, notes=[f"block {BLOCK}, {ROWS} rows x {COLS} columns fp32 for bandwidth"])
     for kind in ("int8", "fp8"):
         result.figures += bitwise(device, kind)
-    result.figures += bandwidth(device, repeats=max(steps, 5))
+    result.figures += bandwidth(device, repeats=max(steps, 20))
     return result.finish()

@@ -39,11 +39,16 @@ def batch(workload: Workload, vocab: int, device: torch.device, seed: int = 0) -
     return torch.randint(0, vocab, (workload.batch, workload.seq), generator=g).to(device)
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
-    """One step as a user writes it: bf16 autocast forward, backward, optimizer step."""
+def forward_backward(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """The step's bf16 autocast forward and its backward."""
     with torch.autocast(ids.device.type, dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    """One step as a user writes it: bf16 autocast forward, backward, optimizer step."""
+    forward_backward(model, ids)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

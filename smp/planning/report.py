@@ -26,6 +26,7 @@ from smp.planning.memory import (
     sharded_bytes,
     transient_bytes,
 )
+from smp.sharding.fsdp import block_reshard_after_forward
 
 
 @dataclass
@@ -162,7 +163,10 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
             meta_model, cfg, dims, micro_batch=micro_batch, seq_len=seq_len, hidden=hidden,
             layers=len(per_block), grad_accum=grad_accum,
         )
-        transient = transient_bytes(meta_model, p_bytes, g_bytes)
+        reshard = block_reshard_after_forward(
+            cfg.reshard_after_forward, explicit="reshard_after_forward" in cfg.model_fields_set,
+            shard_ranks=dims.dp_shard * dims.cp, cpu_offload=cfg.cpu_offload)
+        transient = transient_bytes(meta_model, p_bytes, g_bytes, all_gathered=reshard is False)
         top_k = getattr(model_cfg, "num_experts_per_tok", None) or 1
         expert_figures = expert_account(meta_model, experts, dims.ep, top_k)
 
