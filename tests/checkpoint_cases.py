@@ -451,6 +451,27 @@ def export_integer_refusals(config: dict, root: str) -> dict:
     return out
 
 
+def export_integer_pipelined(config: dict, out: str) -> dict:
+    """A pipelined tiny Llama with a persistent int64 buffer in a layer of each stage (layers 0
+    and 3 of 4 at pp 2), export_hf'd: the tensors of the folder's files, by name, read with
+    safetensors (from_pretrained would call the buffers unexpected keys), and the buffers this
+    rank's stage holds."""
+    from safetensors.torch import load_file
+
+    with smp.session(config):
+        model = _llama(0, num_hidden_layers=4)
+        for i in (0, 3):
+            model.model.layers[i].register_buffer("step_index", torch.arange(3) * 10 + i)
+        model = smp.transform(model)
+        smp.checkpointing.export_hf(out, model)
+        held = {}
+        for name in sorted(os.listdir(out)):
+            if name.endswith(".safetensors"):
+                held.update({k: v.tolist() for k, v in load_file(os.path.join(out, name)).items() if not v.is_floating_point()})
+        local = sorted(n for n, b in model.named_buffers() if n.endswith("step_index"))
+        return {"held": held, "local": local}
+
+
 # ---------------------------------------------------------------------------------------------
 # Error paths: each returns the message smp raised (or "" when nothing was raised)
 

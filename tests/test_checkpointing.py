@@ -240,6 +240,14 @@ def test_export_integer_tensors_refused(ranks, tmp_path):
         assert r["listing"] == [], r["listing"]  # no folder, no partial
 
 
+def test_export_integer_tensors_pipelined(ranks, tmp_path):
+    """At pp 2 each stage's integer buffer reaches the folder (rank 0 writes both)."""
+    pp2 = {"pipeline_parallel_degree": 2, "pipeline": "1f1b"}
+    for r in ranks(2).run(cases.export_integer_pipelined, config=pp2, out=str(tmp_path / "hf")):
+        assert len(r["local"]) == 1, r  # one stage's buffer per rank
+        assert r["held"] == {"model.layers.0.step_index": [0, 10, 20], "model.layers.3.step_index": [3, 13, 23]}, r
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 def test_error_messages(ranks, tmp_path):
