@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests import checkpoint_cases as cases
 
@@ -246,6 +247,38 @@ def test_export_integer_tensors_pipelined(ranks, tmp_path):
     for r in ranks(2).run(cases.export_integer_pipelined, config=pp2, out=str(tmp_path / "hf")):
         assert len(r["local"]) == 1, r  # one stage's buffer per rank
         assert r["held"] == {"model.layers.0.step_index": [0, 10, 20], "model.layers.3.step_index": [3, 13, 23]}, r
+
+
+def test_export_integer_nonfloat_dtypes(tmp_path):
+    """(One process) every dtype safetensors holds passes the check and is written into the
+    folder's last file, bitwise; complex128, which it cannot hold, is refused by name; a folder
+    whose files are not the consolidation's names is refused, not guessed at."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from smp.checkpointing import hf_nonfloat
+    from smp.errors import CheckpointError
+
+    values = {"mask": torch.tensor([True, False]), "i8": torch.tensor([-3], dtype=torch.int8),
+              "u8": torch.tensor(7, dtype=torch.uint8), "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3),
+              "c64": torch.tensor([1 + 2j], dtype=torch.complex64)}
+    checked = hf_nonfloat.check(values, None, "out")
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 8}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    hf_nonfloat.write(str(tmp_path), checked)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"w": "model-00001-of-00002.safetensors",
+                                   **dict.fromkeys(values, "model-00002-of-00002.safetensors")}, index
+    assert index["metadata"]["total_size"] == 8 + sum(v.numel() * v.element_size() for v in values.values())
+    back = load_file(str(tmp_path / "model-00002-of-00002.safetensors"))
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in values.items()), back
+    with pytest.raises(CheckpointError, match="c128 is torch.complex128, which safetensors cannot hold"):
+        hf_nonfloat.check({"c128": torch.zeros(1, dtype=torch.complex128)}, None, "out")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "weights.safetensors"}}))
+    with pytest.raises(CheckpointError, match="not the files"):
+        hf_nonfloat.write(str(tmp_path), {"x": torch.tensor([1])})  # no renaming of files it does not know
 
 
 # --- errors -----------------------------------------------------------------------------------
