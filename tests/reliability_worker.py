@@ -26,7 +26,7 @@ import smp
 from smp.testing.models import TinyTransformer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["raise", "exit", "hang", "ok", "kill", "stop"], default="ok")
     ap.add_argument("--fail-rank", type=int, default=1)
@@ -35,9 +35,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--no-guard", action="store_true")
     ap.add_argument("--ckpt", default=None)
-    args = ap.parse_args()
-    # A worker never outlives this, and shows where it was if it had to stop this way.
-    faulthandler.dump_traceback_later(float(os.environ.get("SMP_TEST_WORKER_LIMIT", "240")), exit=True)
+    args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
     smp.init({"backend": "gloo", "collective_timeout_seconds": args.timeout, "random_seed": 0})
@@ -96,4 +94,7 @@ class _nullcontext:
 
 
 if __name__ == "__main__":
+    # A worker never outlives this, and shows where it was if it had to stop this way. (Not set
+    # when a test calls main() in its own process: --mode ok at world 1, the uninterrupted run.)
+    faulthandler.dump_traceback_later(float(os.environ.get("SMP_TEST_WORKER_LIMIT", "240")), exit=True)
     main()
