@@ -16,6 +16,7 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -44,9 +45,14 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, sys_path: list[str
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A rank killed by a native crash (a segfault in a gloo thread) writes every thread's Python
+    # stack to stderr, which the test's report shows; without it the rank just "died".
+    faulthandler.enable()
     # Ranks share 2 cores: one intra-op thread each avoids oversubscription stalls.
     torch.set_num_threads(1)
     # A short collective timeout: a case that fails on one rank frees the others quickly.
@@ -117,6 +123,21 @@ def _thread_count(pid: int) -> int:
         return 0
 
 
+def _how_it_ended(proc: mp.Process) -> str:
+    """A dead rank's exit, for the error: a signal (SIGSEGV: a native crash, its stacks on
+    stderr; SIGKILL: often the kernel's OOM killer) or an exit status."""
+    proc.join(timeout=10)
+    code = proc.exitcode
+    if code is None:
+        return "its pipe closed, the process still running"
+    if code < 0:
+        try:
+            return f"killed by signal {-code}, {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
 class RankPool:
     def __init__(self, world_size: int, start_timeout: float = 120.0):
         self.world_size = world_size
@@ -146,8 +167,9 @@ class RankPool:
             try:
                 status, value = conn.recv()
             except EOFError:
+                how = _how_it_ended(self._procs[rank])
                 self.close(force=True)
-                raise RankFailure(f"rank {rank} died during {what}") from None
+                raise RankFailure(f"rank {rank} died during {what} ({how})") from None
             if status == "ok" or status == "ready":
                 results[rank] = value
             else:
