@@ -68,9 +68,11 @@ NOT_RUN = "not run yet"
 VISION_EXTRA = {
     "mixed": "mixed batch: rank 0 holds the images, rank 1 only text (world 2; image-text families)",
     "round-trip": "pretrained round trip: save_pretrained -> load_hf -> transform -> export_hf -> from_pretrained, bitwise (world 2)",
+    "meta-weights": "pretrained on meta: built on the meta device, transform(model, weights=folder) vs from_pretrained + transform, every parameter and buffer (non-persistent too) bitwise (world 2)",
 }
-VISION_SHORT = {"mixed": "mixed batch", "round-trip": "pretrained round trip"}
-VISION_CASES = {"mixed": vcases.mixed_batch, "round-trip": vcases.pretrained_round_trip}
+VISION_SHORT = {"mixed": "mixed batch", "round-trip": "pretrained round trip", "meta-weights": "pretrained on meta"}
+VISION_CASES = {"mixed": vcases.mixed_batch, "round-trip": vcases.pretrained_round_trip,
+                "meta-weights": vcases.pretrained_on_meta}
 
 
 def vision_columns() -> dict[str, str]:
@@ -315,7 +317,11 @@ that a gradient gap is taken relative to the reference gradient where that excee
 default init gives Gemma3's projector gradients of 2e9, where float32 rounding alone is 3e2), and
 a family whose training forward draws random numbers is compared in eval mode and says so; *mixed
 batch* runs image-text families with images on rank 0 only (rank 1's rows are text-only, the same
-labelled length) against one process on the whole batch; *pretrained round trip* is bitwise.
+labelled length) against one process on the whole batch; *pretrained round trip* is bitwise;
+*pretrained on meta* is the path a large fine-tune takes (built on the meta device, then
+`smp.transform(model, weights=folder)`), bitwise against `from_pretrained` + transform in every
+parameter and every buffer, the non-persistent ones too, where *delayed init* (random init
+replayed) refuses a family whose construction it cannot reproduce.
 A family that does not build or train in one process at the tiny shape is skipped with the
 error (a limit of the generic tiny config, not of smp). Unlike the text table's peer column, a
 **crash** or **mismatch** here is an open finding about smp (the script exits 1 on it)."""

@@ -515,3 +515,19 @@ def pretrained_round_trip(config: dict, family: str, kind: str) -> dict:
         return {"status": "exact" if exact else "mismatch", "detail": report}
 
     return _guarded(run)
+
+
+def pretrained_on_meta(config: dict, family: str, kind: str) -> dict:
+    """The 'pretrained on meta' cell: built on the meta device, `smp.transform(model,
+    weights=folder)` of a save_pretrained folder vs `from_pretrained` of it transformed, every
+    parameter and buffer (non-persistent ones too) bitwise (tests/vlm_cases.py's case)."""
+    from tests import vlm_cases
+
+    def run() -> dict:
+        report = vlm_cases.meta_load(config, family, one_call=True, builder=lambda: build_vision(family, kind))
+        if report["error"]:
+            return {"status": "refused", "detail": " ".join(report["error"].split())[:300]}
+        return {"status": "exact" if report["diff"] == 0.0 else "mismatch", "detail": report}
+
+    return _guarded(run)
+

@@ -202,13 +202,17 @@ def pretrained_round_trip(config: dict, family: str, convert: bool = True, build
 
 # --- 3. a meta model filled from a pretrained folder ------------------------------------------
 
-def meta_load(config: dict, family: str, compute_buffers: bool = True, one_call: bool = False) -> dict:
+def meta_load(config: dict, family: str, compute_buffers: bool = True, one_call: bool = False,
+              builder=None) -> dict:
     """`family` built on the meta device, `smp.transform(model, materialize=False)`, then
     `load_hf` of a save_pretrained folder, vs `from_pretrained` of the same folder transformed:
     {"error", "diff" (every parameter and buffer, persistent or not), "buffers" (names of the
     non-persistent buffers compared)}. `compute_buffers=False` (negative control) leaves the
-    non-persistent buffers as `to_empty` memory."""
+    non-persistent buffers as `to_empty` memory. `builder()` builds the model (default:
+    `build(family)`; the coverage matrix passes its own)."""
     from smp.checkpointing import hf
+
+    builder = builder or (lambda: build(family))
 
     original = hf._computed_buffers
     if not compute_buffers:
@@ -216,10 +220,10 @@ def meta_load(config: dict, family: str, compute_buffers: bool = True, one_call:
     root = None
     try:
         with smp.session(config):
-            root, expected = _saved_folder(family)
+            root, expected = _saved_folder(family, builder=builder)
             reference = smp.transform(expected)
             with torch.device("meta"):
-                model = build(family)
+                model = builder()
             try:
                 if one_call:  # the documented one call
                     model = smp.transform(model, weights=os.path.join(root, "src"))
