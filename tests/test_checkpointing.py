@@ -341,3 +341,43 @@ def test_load_hf_convert_equals_from_pretrained(ranks, tmp_path, family, config,
         broken = r[tamper]
         assert broken["error"] == "" and broken["differ"], r
         assert all(("experts" in n) if family == "mixtral" else ("proj" in n) for n in broken["differ"]), broken
+
+
+def test_load_hf_convert_refuses_what_it_cannot_prove():
+    """One process, no data read: load_hf's plan for Mixtral (per-expert tensors stacked by
+    transformers' converters) checks every converter on the file's shapes first. A complete
+    per-expert file plans one group per fused tensor; a missing expert, a fused tensor in the
+    file beside the per-expert ones, and more experts than the model has are refused by name."""
+    import smp
+    from smp.checkpointing import hf
+    from tests.hf_conversion_cases import build
+
+    with torch.device("meta"):
+        model = build("mixtral")
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    saved = {k: s for k, s in shapes.items() if ".experts." not in k}
+    for layer in range(2):
+        for e in range(4):
+            for w, shape in (("w1", [32, 64]), ("w3", [32, 64]), ("w2", [64, 32])):
+                saved[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"] = shape
+
+    def plan(file_shapes):
+        return hf._plan_hf_load(file_shapes, model, shapes, "folder", hf._key_converter(model))
+
+    mapping, groups, _ = plan(saved)
+    assert sorted(g.layer for g in groups) == sorted(k for k in shapes if ".experts." in k), groups
+    assert not any(".experts." in k for k in mapping), mapping
+    up = groups[0].sources  # the experts in from_pretrained's order, gate (w1) before up (w3)
+    assert [k.split(".experts.")[1] for keys in up.values() for k in keys][:5] == [
+        "0.w1.weight", "1.w1.weight", "2.w1.weight", "3.w1.weight", "0.w3.weight"], up
+
+    one_missing = {k: s for k, s in saved.items() if k != "model.layers.0.block_sparse_moe.experts.3.w1.weight"}
+    with pytest.raises(smp.CheckpointError, match=r"converter for 'model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight'.*does not run"):
+        plan(one_missing)
+    both = {**saved, "model.layers.0.mlp.experts.gate_up_proj": [4, 64, 64]}
+    with pytest.raises(smp.CheckpointError, match=r"also tensors that from_pretrained converts into it"):
+        plan(both)
+    extra = {**saved, **{f"model.layers.1.block_sparse_moe.experts.4.{w}.weight": s
+                         for w, s in (("w1", [32, 64]), ("w3", [32, 64]), ("w2", [64, 32]))}}
+    with pytest.raises(smp.CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.down_proj: checkpoint \(5, 64, 32\) vs model \(4, 64, 32\)"):
+        plan(extra)

@@ -146,7 +146,13 @@ def load(groups: list[Group], conversion: Any, files: dict[str, str], state: dic
                 )
             dtype = dtypes.pop()  # from_pretrained casts the sources to the model's dtype, then converts
             sources = {p: [(k, read(k, dtype)) for k in keys] for p, keys in group.sources.items()}
-            results = _converted(conversion, group, sources)
+            try:
+                results = _converted(conversion, group, sources)
+            except Exception as e:  # noqa: BLE001 - ran on the shapes, failed on the data: named
+                raise CheckpointError(
+                    f"{source}: transformers' converter for {group.keys()[0]!r} failed on the file's tensors "
+                    f"({type(e).__name__}: {str(e)[:200]}); from_pretrained would leave {group.layer!r} at its init"
+                ) from None
             del sources
             shapes = {name: list(t.shape) for name, t in results.items()}
             if shapes != group.targets:  # the run on the data differs from the planned one
