@@ -21,6 +21,9 @@ the same converters the way from_pretrained does (`smp._compat.CheckpointConvers
    the DTensor's placements give this rank, by local slicing). One group at a time: beside the
    model, at most one group's sources and results are in memory. Renamed tensors keep the
    sliced read (`load_hf`).
+
+The same placement serves renamed tensors that DCP cannot slice (`read_whole`): a packed
+tensor-parallel weight, whose part on a rank is not one box of the tensor.
 """
 
 from __future__ import annotations
