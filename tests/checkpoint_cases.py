@@ -573,5 +573,89 @@ def crash(root: str, point: str) -> None:
     print("not killed", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Packed tensor-parallel weights (GPT-2's fused q|k|v c_attn, Mixtral's gate|up) across layouts
+
+
+def _packed_model(family: str, seed: int) -> torch.nn.Module:
+    """Tiny GPT-2 / Mixtral from transformers configs, no dropout: losses at two layouts differ
+    only by the order of float sums."""
+    import transformers as T
+
+    from tests.hf_conversion_cases import build
+
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ,
+                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return build(family)
+
+
+def _with_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every parameter and its AdamW exp_avg / exp_avg_sq, whole."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = full_tensor(p.detach()).clone()
+        for key, value in opt.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.ndim:
+                out[f"{name}:{key}"] = full_tensor(value).clone()
+    return out
+
+
+def packed_tp_resume(family: str, save_config: dict, load_config: dict, path: str, steps: int = 4,
+                     save_at: int = 2) -> dict:
+    """Train `steps` steps at `save_config`, saving at `save_at`; load that checkpoint at
+    `load_config` into a model with other weights and continue. Returns the uninterrupted and
+    resumed losses, the names (parameters, `<name>:exp_avg`...) not bitwise equal after the load,
+    the packed parameters at each layout, and the negative controls: the load with packed
+    detection off (`box_read`: DCP's one box per rank), and at a packed save layout the save
+    with detection off (DCP's own error)."""
+    from smp.checkpointing import packed
+
+    def box_read():
+        original = packed.read_whole
+        packed.read_whole = lambda t: False
+        return lambda: setattr(packed, "read_whole", original)
+
+    out: dict = {}
+    with smp.session(save_config):
+        model = smp.transform(_packed_model(family, 0))
+        opt, sched = _optim(model)
+        out["losses"] = _steps(model, opt, sched, 0, steps)[save_at:]
+        model = smp.transform(_packed_model(family, 0))
+        opt, sched = _optim(model)
+        _steps(model, opt, sched, 0, save_at)
+        out["packed_saved"] = sorted(n for n, p in model.named_parameters() if packed.read_whole(p))
+        if out["packed_saved"]:
+            undo = box_read()
+            try:
+                smp.checkpointing.save(path + "_box", model, opt)
+                out["box_save_error"] = ""
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                out["box_save_error"] = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                undo()
+        smp.checkpointing.save(path, model, opt, extra={"step": save_at, "scheduler": sched.state_dict()})
+        saved = _with_state(model, opt)
+    with smp.session(load_config):
+        fresh = smp.transform(_packed_model(family, 99))
+        fresh_opt, fresh_sched = _optim(fresh)
+        out["packed_loaded"] = sorted(n for n, p in fresh.named_parameters() if packed.read_whole(p))
+        undo = box_read()
+        try:
+            smp.checkpointing.load(path, fresh, fresh_opt)
+        finally:
+            undo()
+        loaded = _with_state(fresh, fresh_opt)
+        out["box_differ"] = sorted(k for k in saved if not torch.equal(saved[k], loaded[k]))
+        extra = smp.checkpointing.load(path, fresh, fresh_opt)
+        loaded = _with_state(fresh, fresh_opt)
+        out["differ"] = sorted(k for k in saved if not torch.equal(saved[k], loaded[k]))
+        out["compared"] = len(saved)
+        fresh_sched.load_state_dict(extra["scheduler"])
+        out["resumed"] = _steps(fresh, fresh_opt, fresh_sched, save_at, steps)
+    return out
+
+
 if __name__ == "__main__":
     crash(sys.argv[1], sys.argv[2])

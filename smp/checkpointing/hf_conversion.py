@@ -22,8 +22,8 @@ the same converters the way from_pretrained does (`smp._compat.CheckpointConvers
    model, at most one group's sources and results are in memory. Renamed tensors keep the
    sliced read (`load_hf`).
 
-The same placement serves renamed tensors that DCP cannot slice (`read_whole`): a packed
-tensor-parallel weight, whose part on a rank is not one box of the tensor.
+The same placement (packed.py) serves renamed tensors that DCP cannot slice (`read_whole`): a
+packed tensor-parallel weight, whose part on a rank is not one box of the tensor.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from smp import _compat
+from smp.checkpointing.packed import place, read_whole  # noqa: F401 - load_hf's whole reads
 from smp.errors import CheckpointError
 
 
@@ -170,51 +169,3 @@ def load(groups: list[Group], conversion: Any, files: dict[str, str], state: dic
 
 def _converted(conversion: Any, group: Group, sources: dict[str, list[tuple[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     return conversion.convert(group.pattern, group.layer, sources)
-
-
-def place(value: torch.Tensor, into: torch.Tensor, name: str, source: str) -> None:
-    """Copy this rank's part of the whole tensor `value` into `into`: all of it for a plain tensor;
-    for a DTensor, the part its placements give this rank (`distribute_tensor` on the DTensor's
-    own mesh and placements with `src_data_rank=None`: local slicing, no communication; the
-    inverse of `full_tensor`, strided shards included, which a chunk offset cannot describe:
-    a packed gate|up split keeps a slice of each half)."""
-    local = into
-    if isinstance(into, DTensor):
-        if any(p.is_partial() for p in into.placements):
-            raise CheckpointError(f"{source}: {name} is a partial-sum DTensor ({into.placements}); load_hf "
-                                  "cannot place a converted tensor into it")
-        value = distribute_tensor(value.to(into.device), into.device_mesh, into.placements, src_data_rank=None).to_local()
-        local = into.to_local()
-    if value.shape != local.shape:
-        raise CheckpointError(f"{source}: {name}: the converted part has shape {tuple(value.shape)}, this "
-                              f"rank holds {tuple(local.shape)}")
-    local.copy_(value)
-
-
-def read_whole(t: torch.Tensor) -> bool:
-    """Whether a renamed tensor must be read whole and placed by `place` rather than sliced by
-    DCP: a DTensor whose part on this rank is not one box of the whole tensor. A packed
-    tensor-parallel weight (fused q|k|v, gate|up: a strided shard) holds a slice of each part;
-    DCP describes a rank's part by one offset per dim and reads a wrong, overlapping box there
-    (torch 2.13: rank 1 of a gate|up split over 2 ranks reads rows 16:48 of 64, not 16:32 and
-    48:64). Decided per dim from the indices the placements give this rank (a probe of
-    `size` integers per dim, split as the tensor is)."""
-    if not isinstance(t, DTensor):
-        return False
-    strided = _compat.strided_shard_type()
-    if not any(isinstance(p, strided) for p in t.placements):
-        return False  # Shard / Replicate only: one box, which DCP computes
-    device = t.to_local().device
-    for dim, size in enumerate(t.shape):
-        probe = []
-        for p in t.placements:
-            if isinstance(p, strided) and p.dim % t.ndim == dim:  # not a Shard subclass on every torch
-                probe.append(_compat.strided_shard(0, p.split_factor))
-            elif isinstance(p, Shard) and p.dim % t.ndim == dim:
-                probe.append(Shard(0))
-            else:
-                probe.append(Replicate())
-        held = distribute_tensor(torch.arange(size, device=device), t.device_mesh, probe, src_data_rank=None).to_local()
-        if held.numel() and not torch.equal(held, torch.arange(int(held[0]), int(held[0]) + held.numel(), device=device)):
-            return True
-    return False

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from smp.checkpointing import atomic, digest, inline_digest, metadata, rng, safe_read, save_errors, verify
+from smp.checkpointing import atomic, digest, inline_digest, metadata, packed, rng, safe_read, save_errors, verify
 from smp.checkpointing.async_save import saves, wait
 from smp.checkpointing.collective import agree, is_dist, on_rank0, rank, world
 from smp.checkpointing.pipeline import stages_view, whole_model_shapes
@@ -203,6 +203,9 @@ def save(
     meta.update(metadata.describe_optimizer(optimizer), optimizer_fresh=fresh_optimizer, run_id=atomic.run_id())
     if flat:
         meta["optimizer_flat"] = True
+    # Packed tensor-parallel tensors (fused q|k|v, gate|up) are written whole: DCP cannot
+    # express a rank's part of them (packed.py). Collective: every rank gathers the same ones.
+    state = packed.whole_for_save(state, packed.packed_keys(state))
     needed = _local_bytes(state) * world()
     try:
         tmp = _agree_on_tmp(path)
@@ -322,7 +325,11 @@ def load(
     load_error = None
     try:
         state = _empty_copy(_state_dicts(model, optimizer, flat))
+        # Packed tensor-parallel tensors are read whole and placed by their placements (packed.py).
+        whole = packed.whole_for_load(state, packed.packed_keys(state))
         dcp.load(state, storage_reader=reader, planner=safe_read.SafeLoadPlanner(), no_dist=not is_dist())
+        packed.place_all(whole, f"checkpoint {path!r}")
+        del whole
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
