@@ -609,7 +609,8 @@ def packed_tp_resume(family: str, save_config: dict, load_config: dict, path: st
     resumed losses, the names (parameters, `<name>:exp_avg`...) not bitwise equal after the load,
     the packed parameters at each layout, and the negative controls: the load with packed
     detection off (`box_read`: DCP's one box per rank), and at a packed save layout the save
-    with detection off (DCP's own error)."""
+    and export_hf with detection off (DCP's own error). At a packed save layout also the
+    parameters from_pretrained reads from export_hf's folder that are not bitwise the model's."""
     from smp.checkpointing import packed
 
     def box_read():
@@ -637,6 +638,19 @@ def packed_tp_resume(family: str, save_config: dict, load_config: dict, path: st
                 undo()
         smp.checkpointing.save(path, model, opt, extra={"step": save_at, "scheduler": sched.state_dict()})
         saved = _with_state(model, opt)
+        if out["packed_saved"]:
+            undo = box_read()
+            try:
+                smp.checkpointing.export_hf(path + "_box_hf", model)
+                out["box_export_error"] = ""
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                out["box_export_error"] = f"{type(e).__name__}: {e}"[:4000]
+            finally:
+                undo()
+            smp.checkpointing.export_hf(path + "_hf", model)
+            hf = type(_packed_model(family, 0)).from_pretrained(path + "_hf").state_dict()
+            names = [n for n, _ in model.named_parameters()]
+            out["export_differ"] = sorted(n for n in names if n not in hf or not torch.equal(hf[n], saved[n]))
     with smp.session(load_config):
         fresh = smp.transform(_packed_model(family, 99))
         fresh_opt, fresh_sched = _optim(fresh)

@@ -399,7 +399,8 @@ def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, l
     saved run's bitwise, and the losses of the resumed steps equal the uninterrupted run's
     within 1e-6 (bitwise at the same layout). Negative controls: loaded with the packed
     detection off (DCP's one box per rank) the packed weights and their optimizer state differ;
-    saved with it off, DCP refuses the overlapping chunks."""
+    saved with it off, DCP refuses the overlapping chunks. export_hf at TP 2 writes a folder
+    from_pretrained reads bitwise (with the detection off: DCP's overlapping-chunks error)."""
     for r in ranks(2).run(cases.packed_tp_resume, family=family, save_config=save_config,
                           load_config=load_config, path=str(tmp_path / "ck"), timeout=240):
         packed = r["packed_saved"] or r["packed_loaded"]
@@ -413,3 +414,4 @@ def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, l
                                              for s in ("", ":exp_avg", ":exp_avg_sq")), r
         if r["packed_saved"]:
             assert "overlapping chunks" in r["box_save_error"], r
+            assert r["export_differ"] == [] and "overlapping chunks" in r["box_export_error"], r

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from smp.checkpointing import atomic, hf_nonfloat, metadata
-from smp.checkpointing import hf_conversion
+from smp.checkpointing import hf_conversion, packed
 from smp.checkpointing.collective import is_dist as _dist
 from smp.checkpointing.collective import on_rank0
 from smp.checkpointing.collective import rank as _rank
@@ -96,6 +96,9 @@ def export_hf(
     nonfloat = hf_nonfloat.check({k: v for k, v in state.items() if not hf_nonfloat.consolidatable(v)},
                                  pp_group, out_dir)
     state = {k: v for k, v in state.items() if hf_nonfloat.consolidatable(v)}
+    # Packed tensor-parallel weights (fused q|k|v, gate|up) gathered whole: DCP cannot express
+    # a rank's part of them (packed.py). Collective: every rank gathers the same ones.
+    state = packed.whole_for_save(state, packed.packed_keys(state))
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     sizes = [(k, v.numel() * v.element_size()) for k, v in state.items()]
