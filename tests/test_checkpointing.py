@@ -415,3 +415,15 @@ def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, l
         if r["packed_saved"]:
             assert "overlapping chunks" in r["box_save_error"], r
             assert r["export_differ"] == [] and "overlapping chunks" in r["box_export_error"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_config,load_config", [(TP2, {}), ({}, TP2)], ids=["tp2xfsdp2-to-fsdp4", "fsdp4-to-tp2xfsdp2"])
+def test_packed_tp_resume_world4(ranks, tmp_path, save_config, load_config):
+    """GPT-2's c_attn under TP 2 x FSDP 2 (packed along its columns, FSDP along its rows) at
+    world 4, both ways: as test_packed_tp_resume_across_layouts."""
+    for r in ranks(4).run(cases.packed_tp_resume, family="gpt2", save_config=save_config,
+                          load_config=load_config, path=str(tmp_path / "ck"), timeout=300):
+        assert (r["packed_saved"] or r["packed_loaded"]) and r["differ"] == [], r
+        assert max(abs(a - b) for a, b in zip(r["resumed"], r["losses"])) <= PACKED_RESUME_TOL, r
+        assert r["box_differ"] if r["packed_loaded"] else r["export_differ"] == [], r

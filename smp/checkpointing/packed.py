@@ -14,7 +14,8 @@ not 16:32 and 48:64), and refuses to write one ("overlapping chunks"). For these
 - reads the whole tensor on each rank and keeps this rank's part by the placements
   (`place`: `distribute_tensor` with `src_data_rank=None`, local slicing, no communication).
 
-Every rank holds each such tensor whole once while it saves or loads it. Which tensors are
+Cost: while it saves or loads, every rank holds all such tensors whole in host memory (and one
+at a time on its device); the file holds one copy of each. Which tensors are
 packed is agreed by all ranks (`packed_keys`) before any collective, so every rank gathers the
 same tensors in the same order.
 """
@@ -118,12 +119,12 @@ def _replaced(state: Any, new: dict[str, torch.Tensor], path: tuple = ()) -> Any
 
 
 def whole_for_save(state: Any, keys: set[str]) -> Any:
-    """`state` with the DTensors at `keys` gathered whole (plain tensors, which DCP writes once).
+    """`state` with the DTensors at `keys` gathered whole (plain host tensors, which DCP writes once).
     Collective over each tensor's mesh; every rank gathers the same keys in the same order."""
     whole = {}
     for path, t in _tensors(state):
         if _key(path) in keys and isinstance(t, DTensor):
-            whole[_key(path)] = _compat.full_tensor(t.detach())
+            whole[_key(path)] = _compat.full_tensor(t.detach()).cpu()  # one whole tensor on the device at a time
     return _replaced(state, whole, ())
 
 
@@ -139,7 +140,7 @@ def whole_for_load(state: Any, keys: set[str]) -> dict[str, tuple[Any, Any, torc
                 container = container[part]
             if isinstance(container, tuple):
                 raise CheckpointError(f"smp cannot read the packed tensor {_key(path)!r}: it sits in a tuple")
-            buffer = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+            buffer = torch.empty(t.shape, dtype=t.dtype)  # host memory: `place` moves one at a time
             container[path[-1]] = buffer
             pairs[_key(path)] = (container, path[-1], buffer, t)
     return pairs
