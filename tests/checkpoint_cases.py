@@ -603,14 +603,15 @@ def _with_state(model, opt) -> dict[str, torch.Tensor]:
 
 
 def packed_tp_resume(family: str, save_config: dict, load_config: dict, path: str, steps: int = 4,
-                     save_at: int = 2) -> dict:
+                     save_at: int = 2, async_save: bool = False) -> dict:
     """Train `steps` steps at `save_config`, saving at `save_at`; load that checkpoint at
     `load_config` into a model with other weights and continue. Returns the uninterrupted and
     resumed losses, the names (parameters, `<name>:exp_avg`...) not bitwise equal after the load,
     the packed parameters at each layout, and the negative controls: the load with packed
     detection off (`box_read`: DCP's one box per rank), and at a packed save layout the save
     and export_hf with detection off (DCP's own error). At a packed save layout also the
-    parameters from_pretrained reads from export_hf's folder that are not bitwise the model's."""
+    parameters from_pretrained reads from export_hf's folder, and those plain `dcp.load` reads
+    from the checkpoint into an unsharded model, that are not bitwise the model's."""
     from smp.checkpointing import packed
 
     def box_read():
@@ -636,9 +637,16 @@ def packed_tp_resume(family: str, save_config: dict, load_config: dict, path: st
                 out["box_save_error"] = f"{type(e).__name__}: {e}"[:300]
             finally:
                 undo()
-        smp.checkpointing.save(path, model, opt, extra={"step": save_at, "scheduler": sched.state_dict()})
+        smp.checkpointing.save(path, model, opt, extra={"step": save_at, "scheduler": sched.state_dict()},
+                               async_save=async_save)
+        smp.checkpointing.wait()
         saved = _with_state(model, opt)
         if out["packed_saved"]:
+            import torch.distributed.checkpoint as dcp
+
+            plain = _packed_model(family, 99).state_dict()  # torch alone, into an unsharded model
+            dcp.load({"model": plain}, checkpoint_id=path)
+            out["plain_dcp_differ"] = sorted(n for n in saved if ":" not in n and not torch.equal(plain[n], saved[n]))
             undo = box_read()
             try:
                 smp.checkpointing.export_hf(path + "_box_hf", model)

@@ -389,10 +389,10 @@ TP2 = {"tensor_parallel_degree": 2}
 PACKED_RESUME_TOL = 1e-6  # measured 7.2e-7 (GPT-2 FSDP 2 -> TP 2), 4.8e-7 (Mixtral TP 2 -> FSDP 2)
 
 
-@pytest.mark.parametrize("family,save_config,load_config", [
-    ("gpt2", {}, TP2), ("gpt2", TP2, {}), ("mixtral", {}, TP2), ("mixtral", TP2, TP2),
-], ids=["gpt2-fsdp2-to-tp2", "gpt2-tp2-to-fsdp2", "mixtral-fsdp2-to-tp2", "mixtral-tp2-to-tp2"])
-def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, load_config):
+@pytest.mark.parametrize("family,save_config,load_config,async_save", [
+    ("gpt2", {}, TP2, False), ("gpt2", TP2, {}, False), ("mixtral", {}, TP2, False), ("mixtral", TP2, TP2, True),
+], ids=["gpt2-fsdp2-to-tp2", "gpt2-tp2-to-fsdp2", "mixtral-fsdp2-to-tp2", "mixtral-tp2-to-tp2-async"])
+def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, load_config, async_save):
     """Packed tensor-parallel weights (GPT-2's fused q|k|v `c_attn`, Mixtral's experts'
     `gate_up_proj` gate|up, each rank a slice of every part) save and load exactly at world 2:
     after smp.checkpointing.load every parameter and its AdamW exp_avg / exp_avg_sq equal the
@@ -402,7 +402,7 @@ def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, l
     saved with it off, DCP refuses the overlapping chunks. export_hf at TP 2 writes a folder
     from_pretrained reads bitwise (with the detection off: DCP's overlapping-chunks error)."""
     for r in ranks(2).run(cases.packed_tp_resume, family=family, save_config=save_config,
-                          load_config=load_config, path=str(tmp_path / "ck"), timeout=240):
+                          load_config=load_config, path=str(tmp_path / "ck"), async_save=async_save, timeout=240):
         packed = r["packed_saved"] or r["packed_loaded"]
         assert packed and all(("c_attn" if family == "gpt2" else "gate_up_proj") in n for n in packed), r
         assert r["differ"] == [] and r["compared"] > 60, r
@@ -415,6 +415,7 @@ def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, l
         if r["packed_saved"]:
             assert "overlapping chunks" in r["box_save_error"], r
             assert r["export_differ"] == [] and "overlapping chunks" in r["box_export_error"], r
+            assert r["plain_dcp_differ"] == [], r
 
 
 @pytest.mark.slow

@@ -1,5 +1,4 @@
-"""Packed tensor-parallel tensors in checkpoints: read and written whole, placed by their
-own placements.
+"""Packed tensor-parallel tensors in checkpoints: written and read box by box.
 
 A tensor-parallel weight that fuses several parts (GPT-2's `c_attn` q|k|v, Mixtral's experts'
 `gate_up_proj` gate|up) is split per part: each rank holds a slice of every part, so its share
@@ -7,55 +6,88 @@ is not one box of the whole tensor (a strided shard). torch.distributed.checkpoi
 rank's share by one offset and one size per dim, which cannot say that: on torch 2.13 it reads
 a wrong, overlapping box there (rank 1 of a gate|up split over 2 ranks reads rows 16:48 of 64,
 not 16:32 and 48:64), and refuses to write one ("overlapping chunks"). For these few tensors
-(and their optimizer state, which has the same placements) smp instead
+(and their optimizer state, which has the same placements) smp lists the boxes a rank's part is
+made of (`boxes`: per dim, the runs of consecutive indices its placements give it) and
 
-- writes the whole tensor (`full_tensor`, a gather over the tensor's mesh; DCP keeps one
-  rank's copy of such a replicated tensor), which any other layout reads back by DCP's slicing;
-- reads the whole tensor on each rank and keeps this rank's part by the placements
-  (`place`: `distribute_tensor` with `src_data_rank=None`, local slicing, no communication).
+- `save` writes one DCP chunk per box (`PackedSavePlanner`; the boxes of all ranks tile the
+  tensor, so the checkpoint is plain DCP that any layout, or `dcp.load` without smp, reads);
+  which tensors are packed is agreed by all ranks first (`packed_keys`);
+- `load` reads each box into its place in the local tensor (`PackedLoadPlanner`), from
+  whatever chunks the checkpoint holds;
+- `export_hf` gathers them whole (`whole_for_save`; its consolidation writes whole tensors
+  anyway), and `load_hf` reads them whole and keeps each rank's part (`place`).
 
-Cost: while it saves or loads, every rank holds all such tensors whole in host memory (and one
-at a time on its device); the file holds one copy of each. Which tensors are
-packed is agreed by all ranks (`packed_keys`) before any collective, so every rank gathers the
-same tensors in the same order.
+No tensor is held whole by `save` or `load`: the extra cost is a few more, smaller chunks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
 from smp import _compat
+from smp.checkpointing.safe_read import SafeLoadPlanner
 from smp.errors import CheckpointError
 
 
+def _held(t: DTensor, dim: int) -> torch.Tensor:
+    """The indices along `dim` of the whole tensor that this rank's local tensor holds, in its
+    local order: a probe of `size` integers split by the placements on that dim alone."""
+    strided = _compat.strided_shard_type()
+    probe = []
+    for p in t.placements:
+        if isinstance(p, strided) and p.dim % t.ndim == dim:  # not a Shard subclass on every torch
+            probe.append(_compat.strided_shard(0, p.split_factor))
+        elif isinstance(p, Shard) and p.dim % t.ndim == dim:
+            probe.append(Shard(0))
+        else:
+            probe.append(Replicate())
+    device = t.to_local().device
+    return distribute_tensor(torch.arange(t.shape[dim], device=device), t.device_mesh, probe, src_data_rank=None).to_local().cpu()
+
+
 def read_whole(t: torch.Tensor) -> bool:
-    """Whether `t` must be read (and written) whole and placed by `place` rather than sliced by
-    DCP: a DTensor whose part on this rank is not one box of the whole tensor. Decided per dim
-    from the indices the placements give this rank (a probe of `size` integers per dim, split
-    as the tensor is). Ordinary strided shards (FSDP over a TP shard) hold one box: False."""
+    """Whether `t` holds, on this rank, a part that is not one box of the whole tensor (a
+    packed weight), which DCP's one offset per dim cannot describe: checkpoints read and write
+    it by `boxes` instead, load_hf reads it whole and places it by `place`. Decided per dim
+    from the indices the placements give this rank (`_held`). Ordinary strided shards (FSDP
+    over a TP shard) hold one box: False."""
     if not isinstance(t, DTensor):
         return False
-    strided = _compat.strided_shard_type()
-    if not any(isinstance(p, strided) for p in t.placements):
+    if not any(isinstance(p, _compat.strided_shard_type()) for p in t.placements):
         return False  # Shard / Replicate only: one box, which DCP computes
-    device = t.to_local().device
-    for dim, size in enumerate(t.shape):
-        probe = []
-        for p in t.placements:
-            if isinstance(p, strided) and p.dim % t.ndim == dim:  # not a Shard subclass on every torch
-                probe.append(_compat.strided_shard(0, p.split_factor))
-            elif isinstance(p, Shard) and p.dim % t.ndim == dim:
-                probe.append(Shard(0))
-            else:
-                probe.append(Replicate())
-        held = distribute_tensor(torch.arange(size, device=device), t.device_mesh, probe, src_data_rank=None).to_local()
-        if held.numel() and not torch.equal(held, torch.arange(int(held[0]), int(held[0]) + held.numel(), device=device)):
+    for dim in range(t.ndim):
+        held = _held(t, dim)
+        if held.numel() and not torch.equal(held, torch.arange(int(held[0]), int(held[0]) + held.numel())):
             return True
     return False
+
+
+def boxes(t: DTensor) -> list[tuple[list[int], list[int], list[int]]]:
+    """The boxes of the whole tensor that make up this rank's part of `t`: (offsets in the whole
+    tensor, sizes, offsets in the local tensor). A packed q|k|v split over 2 ranks: 3 boxes."""
+    runs_per_dim = []
+    for dim in range(t.ndim):
+        runs: list[list[int]] = []  # [whole start, local start, length]
+        for local, index in enumerate(_held(t, dim).tolist()):
+            if runs and runs[-1][0] + runs[-1][2] == index:
+                runs[-1][2] += 1
+            else:
+                runs.append([index, local, 1])
+        if not runs:
+            return []  # this rank holds nothing of it
+        runs_per_dim.append(runs)
+    return [([r[0] for r in box], [r[2] for r in box], [r[1] for r in box]) for box in itertools.product(*runs_per_dim)]
 
 
 def place(value: torch.Tensor, into: torch.Tensor, name: str, source: str) -> None:
@@ -128,27 +160,71 @@ def whole_for_save(state: Any, keys: set[str]) -> Any:
     return _replaced(state, whole, ())
 
 
-def whole_for_load(state: Any, keys: set[str]) -> dict[str, tuple[Any, Any, torch.Tensor, torch.Tensor]]:
-    """Replace, in `state` itself (DCP also loads the non-tensor entries into it), the DTensors
-    at `keys` by whole-size buffers for DCP to read into; `place_all` then copies each rank's
-    part into the DTensor and puts it back. {key: (container, index, buffer, DTensor)}."""
-    pairs = {}
-    for path, t in _tensors(state):
-        if _key(path) in keys and isinstance(t, DTensor):
-            container = state
-            for part in path[:-1]:
-                container = container[part]
-            if isinstance(container, tuple):
-                raise CheckpointError(f"smp cannot read the packed tensor {_key(path)!r}: it sits in a tuple")
-            buffer = torch.empty(t.shape, dtype=t.dtype)  # host memory: `place` moves one at a time
-            container[path[-1]] = buffer
-            pairs[_key(path)] = (container, path[-1], buffer, t)
-    return pairs
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def place_all(pairs: dict[str, tuple[Any, Any, torch.Tensor, torch.Tensor]], source: str) -> None:
-    """After DCP's read: each buffer's part into its DTensor, which goes back into the state."""
-    with torch.no_grad():
-        for key, (container, index, whole, into) in pairs.items():
-            place(whole, into, key, source)
-            container[index] = into
+def _narrow(t: torch.Tensor, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+    for dim, (offset, size) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(dim, offset, size)
+    return t
+
+
+def save_boxes(state: Any, keys: set[str]) -> dict[str, list[tuple[list[int], list[int], list[int]]]]:
+    """{DCP's flat key: `boxes`} of the DTensors at `keys` (`packed_keys`) this rank holds."""
+    return {_key(path): boxes(t) for path, t in _tensors(state) if _key(path) in keys and isinstance(t, DTensor)}
+
+
+class PackedSavePlanner(DefaultSavePlanner):
+    """DCP's save planner, writing each packed tensor as the boxes each rank holds (one chunk
+    per box; the boxes of all ranks tile the tensor) instead of DCP's one wrong box per rank."""
+
+    def __init__(self, packed: dict[str, list[tuple[list[int], list[int], list[int]]]]):
+        super().__init__()
+        self.packed = packed
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = [item for item in plan.items if item.index.fqn not in self.packed]
+        for fqn, parts in self.packed.items():
+            t = self.state_dict[fqn]
+            properties = TensorProperties.create_from_tensor(_local(t))
+            for offsets, sizes, _ in parts:
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=t.size())))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        fqn = write_item.index.fqn
+        if fqn not in self.packed:
+            return super().resolve_data(write_item)
+        offsets = list(write_item.index.offset)
+        _, sizes, local = next(part for part in self.packed[fqn] if part[0] == offsets)
+        return _narrow(_local(self.state_dict[fqn]), local, sizes).contiguous()
+
+
+class PackedLoadPlanner(SafeLoadPlanner):
+    """smp's load planner, reading each packed tensor (`read_whole` on this rank) box by box
+    into its place in the local tensor instead of DCP's one wrong box."""
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        self.packed = {fqn for fqn, t in self.state_dict.items() if read_whole(t)}
+        if not self.packed:
+            return plan
+        items = [item for item in plan.items if item.dest_index.fqn not in self.packed]
+        for fqn in sorted(self.packed):
+            for offsets, sizes, local in boxes(self.state_dict[fqn]):
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                for item in create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk]):
+                    items.append(dataclasses.replace(
+                        item, dest_index=MetadataIndex(fqn),
+                        dest_offsets=torch.Size(a + b for a, b in zip(local, item.dest_offsets))))
+        return dataclasses.replace(plan, items=items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        if index.fqn in getattr(self, "packed", ()):
+            return _local(self.state_dict[index.fqn])
+        return super().lookup_tensor(index)

@@ -203,9 +203,9 @@ def save(
     meta.update(metadata.describe_optimizer(optimizer), optimizer_fresh=fresh_optimizer, run_id=atomic.run_id())
     if flat:
         meta["optimizer_flat"] = True
-    # Packed tensor-parallel tensors (fused q|k|v, gate|up) are written whole: DCP cannot
-    # express a rank's part of them (packed.py). Collective: every rank gathers the same ones.
-    state = packed.whole_for_save(state, packed.packed_keys(state))
+    # Packed tensor-parallel tensors (fused q|k|v, gate|up): DCP cannot express a rank's part
+    # of them, so each rank writes the boxes it holds (packed.py). Collective: all ranks agree.
+    planner = packed.PackedSavePlanner(packed.save_boxes(state, packed.packed_keys(state)))
     needed = _local_bytes(state) * world()
     try:
         tmp = _agree_on_tmp(path)
@@ -216,12 +216,12 @@ def save(
         _write_extra(tmp, extra, path, needed)
         if async_save:
             # Returns after the host copy.
-            _start_async(path, tmp, state, meta, keep_last, collective_timeout_seconds, needed)
+            _start_async(path, tmp, state, planner, meta, keep_last, collective_timeout_seconds, needed)
             background = True
             return
         try:
             writer = inline_digest.HashingWriter(tmp, digest.algorithm())
-            dcp.save(state, storage_writer=writer, no_dist=not is_dist())  # raises on every rank if any fails
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=not is_dist())  # raises on every rank if any fails
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -242,13 +242,13 @@ def save(
 
 
 def _start_async(
-    path: str, tmp: str, state: dict, meta: dict, keep_last: int | None, timeout_seconds: float | None,
-    needed: int,
+    path: str, tmp: str, state: dict, planner: packed.PackedSavePlanner, meta: dict, keep_last: int | None,
+    timeout_seconds: float | None, needed: int,
 ) -> None:
     jobs = saves()
     group = jobs.group(timeout_seconds)
     writer = inline_digest.HashingWriter(tmp, digest.algorithm())
-    upload = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not is_dist())
+    upload = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, no_dist=not is_dist())
     me = rank()
 
     def finish() -> None:
@@ -325,11 +325,8 @@ def load(
     load_error = None
     try:
         state = _empty_copy(_state_dicts(model, optimizer, flat))
-        # Packed tensor-parallel tensors are read whole and placed by their placements (packed.py).
-        whole = packed.whole_for_load(state, packed.packed_keys(state))
-        dcp.load(state, storage_reader=reader, planner=safe_read.SafeLoadPlanner(), no_dist=not is_dist())
-        packed.place_all(whole, f"checkpoint {path!r}")
-        del whole
+        # Packed tensor-parallel tensors are read box by box into their places (packed.py).
+        dcp.load(state, storage_reader=reader, planner=packed.PackedLoadPlanner(), no_dist=not is_dist())
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
