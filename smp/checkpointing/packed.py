@@ -62,8 +62,8 @@ def read_whole(t: torch.Tensor) -> bool:
     it by `boxes` instead, load_hf reads it whole and places it by `place`. Decided per dim
     from the indices the placements give this rank (`_held`). Ordinary strided shards (FSDP
     over a TP shard) hold one box: False."""
-    if not isinstance(t, DTensor):
-        return False
+    if not isinstance(t, DTensor) or t.device_mesh.get_coordinate() is None:
+        return False  # not a DTensor, or one this rank holds nothing of (DCP skips it too)
     if not any(isinstance(p, _compat.strided_shard_type()) for p in t.placements):
         return False  # Shard / Replicate only: one box, which DCP computes
     for dim in range(t.ndim):
