@@ -22,9 +22,11 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import sys
+import tempfile
 import traceback
 import warnings
 from typing import Any, Callable
@@ -49,7 +51,7 @@ def free_port() -> int:
 PRELOAD = ("torch", "torch.distributed", "smp", "transformers")
 
 
-def _worker(rank: int, world_size: int, port: int, conn: Any, sys_path: list[str]) -> None:
+def _worker(rank: int, world_size: int, port: int, conn: Any, sys_path: list[str], crash_log: str) -> None:
     sys.path[:] = sys_path
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -61,8 +63,10 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, sys_path: list[str
     import torch.distributed as dist
 
     # A rank killed by a native crash (a segfault in a gloo thread) writes every thread's Python
-    # stack to stderr, which the test's report shows; without it the rank just "died".
-    faulthandler.enable()
+    # stack to `crash_log`; the pool names the crashing thread's frames in its error. (Not to
+    # stderr: tests that read a dying pool's output look for gloo's own message there.)
+    crash_file = open(crash_log, "w")
+    faulthandler.enable(file=crash_file, all_threads=True)
     # Ranks share 2 cores: one intra-op thread each avoids oversubscription stalls.
     torch.set_num_threads(1)
     # A short collective timeout: a case that fails on one rank frees the others quickly.
@@ -133,19 +137,47 @@ def _thread_count(pid: int) -> int:
         return 0
 
 
-def _how_it_ended(proc: mp.Process) -> str:
-    """A dead rank's exit, for the error: a signal (SIGSEGV: a native crash, its stacks on
-    stderr; SIGKILL: often the kernel's OOM killer) or an exit status."""
+def _how_it_ended(proc: mp.Process, crash_log: str) -> str:
+    """A dead rank's exit, for the error: a signal (SIGSEGV: a native crash; SIGKILL: often the
+    kernel's OOM killer) or an exit status, and where its crashing thread was in Python."""
     proc.join(timeout=10)
     code = proc.exitcode
     if code is None:
         return "its pipe closed, the process still running"
-    if code < 0:
-        try:
-            return f"killed by signal {-code}, {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        how = f"killed by signal {-code}, {signal.Signals(-code).name}"
+    except ValueError:
+        how = f"killed by signal {-code}"
+    where = _crashing_frames(crash_log)
+    return f"{how}; in {where}" if where else how
+
+
+def _crashing_frames(crash_log: str, keep: int = 4) -> str:
+    """The innermost frames of the thread that crashed, from faulthandler's dump ('' when there
+    is none: no dump, or a thread that never ran Python, such as gloo's own)."""
+    try:
+        with open(crash_log) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    if start is None:
+        return ""
+    frames = []
+    for line in lines[start + 1:]:
+        found = re.match(r'\s*File "(.+)", line (\d+) in (.+)', line)
+        if not found:
+            break
+        frames.append(f"{found[3]} ({os.path.basename(found[1])}:{found[2]})")
+    return " <- ".join(frames[:keep])
+
+
+def _new_file(prefix: str, suffix: str) -> str:
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+    os.close(fd)
+    return path
 
 
 class RankPool:
@@ -154,15 +186,18 @@ class RankPool:
         self.start_timeout = start_timeout
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
+        self._crash_logs: list[str] = []
 
     def _start(self) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first pool)
         port = free_port()
+        self._crash_logs = [_new_file(f"smp-rank{rank}-", ".crash") for rank in range(self.world_size)]
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker, args=(rank, self.world_size, port, child, list(sys.path)), daemon=True
+                target=_worker, args=(rank, self.world_size, port, child, list(sys.path), self._crash_logs[rank]),
+                daemon=True,
             )
             proc.start()
             self._procs.append(proc)
@@ -178,7 +213,7 @@ class RankPool:
             try:
                 status, value = conn.recv()
             except EOFError:
-                how = _how_it_ended(self._procs[rank])
+                how = _how_it_ended(self._procs[rank], self._crash_logs[rank])
                 self.close(force=True)
                 raise RankFailure(f"rank {rank} died during {what} ({how})") from None
             if status == "ok" or status == "ready":
@@ -213,3 +248,9 @@ class RankPool:
                 proc.kill()
                 proc.join(timeout=10)
         self._procs, self._conns = [], []
+        for path in self._crash_logs:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        self._crash_logs = []
