@@ -751,3 +751,30 @@ def hf_damage(config: dict, root: str) -> dict:
             out[kind] = _error(ck.load_hf, damaged(kind), smp.transform(_llama(1)))
         out["ok"] = _error(ck.load_hf, clean, smp.transform(_llama(1)))
     return out
+
+
+def one_rank_sees_damage(config: dict, root: str) -> dict:
+    """A folder only the last rank finds damaged (its own copy of the marker planted as a FIFO:
+    as on a node without the shared filesystem the others see): every rank raises, naming it,
+    and none waits for the others in a collective. {"error", "seconds"} per rank."""
+    import time
+
+    from smp.checkpointing import verify
+
+    with smp.session(config):
+        path, _ = _saved(root)
+        model, opt = _fresh()
+        original = verify.check_directory
+
+        def seen_by_this_rank(p):
+            if dist.get_rank() == dist.get_world_size() - 1:
+                raise smp.CheckpointError(f"{os.path.join(p, 'smp_commit.json')!r} is a FIFO (planted on this rank)")
+            return original(p)
+
+        verify.check_directory = seen_by_this_rank
+        try:
+            start = time.monotonic()
+            error = _error(smp.checkpointing.load, path, model, opt)
+            return {"error": error, "seconds": time.monotonic() - start}
+        finally:
+            verify.check_directory = original

@@ -157,6 +157,14 @@ def test_planted_files_are_refused_fast(ranks, tmp_path, world):
         assert _refused(r["plain_dcp"], "not written by smp", "torch.distributed.checkpoint.load"), r["plain_dcp"]
 
 
+def test_a_folder_one_rank_finds_damaged_is_refused_on_every_rank(ranks, tmp_path):
+    """Ranks that see different folders (no shared filesystem): the rank that finds a problem
+    does not leave the others waiting in load's next collective; all raise, naming the file."""
+    for r in ranks(2).run(cases.one_rank_sees_damage, config={}, root=str(tmp_path), timeout=60):
+        assert "smp_commit.json" in r["error"] and "planted on this rank" in r["error"], r
+        assert r["seconds"] < 10, r
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_downgraded_metadata_does_not_switch_verification_off(ranks, tmp_path, world):
     """format_version 1 without 'files' used to skip every digest check with a log line: a

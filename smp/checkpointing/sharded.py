@@ -307,7 +307,15 @@ def load(
         )
     path = os.path.abspath(os.fspath(path))
     agree_on_path(path, "smp.checkpointing.load")
-    meta = verify.check_directory(path)
+    # Every rank checks the folder it sees, then all agree: where ranks see different folders
+    # (no shared filesystem, a folder changing under them) the one that finds a problem must
+    # not leave the others waiting in the next collective.
+    meta, problem = None, None
+    try:
+        meta = verify.check_directory(path)
+    except CheckpointError as e:
+        problem = str(e)
+    agree(problem, f"loading checkpoint {path!r}")
     model, _, pp_group = stages_view(model)
     # Every check before the optimizer is touched (DCP initialises an empty one with a step).
     shapes = whole_model_shapes(metadata.tensor_shapes(get_model_state_dict(model)), pp_group,
