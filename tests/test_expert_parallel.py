@@ -313,3 +313,27 @@ def test_selective_checkpointing_is_refused():
     data-dependent collectives break: refused up front (full checkpointing is tested above)."""
     with pytest.raises(ConfigError, match="'selective' is not supported"):
         load_config({**EP2, "activation_checkpointing": "selective"})
+
+
+def test_older_transformers_plan_vocabulary_reads_as_todays():
+    """transformers 5.17 ships Mixtral's plan as {gate: ep_router, experts: moe_tp_experts, its two
+    tensors: grouped_gemm}; smp reads it as today's plan (the router dropped: smp's dispatch runs
+    it whole), so expert parallelism finds the same experts modules on either transformers."""
+    from smp.expert_parallel.plan import expand_ep_plan, resolve_ep_plan
+
+    model = cases.build("mixtral")
+    today = resolve_ep_plan(model, None).entries
+    model.config.base_model_ep_plan = {
+        "layers.*.mlp.gate": "ep_router",
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "moe_tp_experts",
+    }
+    older = resolve_ep_plan(model, None)
+    assert older.entries == today, older.entries
+    found = expand_ep_plan(model, older, 2)
+    assert [e.name for e in found] == [f"model.layers.{i}.mlp.experts" for i in range(len(found))] and found
+    # A style smp does not know is still refused, in the model's plan as in the config's.
+    model.config.base_model_ep_plan = {"layers.*.mlp.experts": "moe_some_other_style"}
+    with pytest.raises(ConfigError, match="unknown styles"):
+        expand_ep_plan(model, resolve_ep_plan(model, None), 2)

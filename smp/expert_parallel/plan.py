@@ -49,12 +49,24 @@ class ExpertsModule:
 EPPlan = plans.Plan
 
 
+# The styles of older transformers (5.17, the GPU image's) for the same modules: its own expert
+# parallelism named the experts module "moe_tp_experts" and the router "ep_router". smp's
+# dispatch needs only the experts module (the router runs whole on every rank, as in one
+# process), so a model's own plan in that vocabulary is read as today's and the router dropped.
+OLDER_STYLES: dict[str, str | None] = {"moe_tp_experts": DISPATCH, "ep_router": None}
+
+
+def _current_styles(entries: dict[str, str]) -> dict[str, str]:
+    translated = {p: OLDER_STYLES.get(s, s) for p, s in entries.items()}
+    return {p: s for p, s in translated.items() if s is not None}
+
+
 def resolve_ep_plan(model: nn.Module, config_plan: dict[str, str] | None) -> EPPlan:
     """The plan for `model`, by the precedence in the module docstring."""
     name = type(model).__name__
     found = plans.first_plan([
         EPPlan("moe.plan in the config", dict(config_plan or {})),
-        EPPlan(f"{name}'s own transformers plan", plans.own_plan(model, "base_model_ep_plan")),
+        EPPlan(f"{name}'s own transformers plan", _current_styles(plans.own_plan(model, "base_model_ep_plan"))),
         EPPlan(f"smp's table for model_type '{plans.model_type(model)}'", plans.table_plan(model, SMP_TABLES)),
     ])
     return found or EPPlan(f"none ({name} ships no base_model_ep_plan)", {})
