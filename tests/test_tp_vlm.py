@@ -75,6 +75,20 @@ def test_vision_and_speech_tables_match_single_process(ranks, kind):
     assert reports[0]["tp_plan"], reports[0]
 
 
+def test_mllama_matches_single_process(ranks):
+    """Mllama (Llama 3.2 Vision) ships no TP plan: smp's table splits its tower's local and global
+    layers and its decoder's self- and cross-attention layers; the embeddings stay whole.
+    Negative control beside it: one row-wise layer's partial sums left unsummed."""
+    reports = ranks(2).run(cases.equivalence, config=TP2, kind="mllama", timeout=300)
+    plan = reports[0]["tp_plan"]
+    for part in ("vision_model.transformer.layers", "vision_model.global_transformer.layers",
+                 "language_model.layers.1.cross_attn", "language_model.layers.0.self_attn"):
+        assert any(part in name for name in plan), (part, sorted(plan))
+    assert_matches_one_process(reports, TOL)
+    broken = ranks(2).run(cases.equivalence, config=TP2, kind="mllama", corrupt=True, timeout=300)
+    assert max(r["grad_diff"] for r in broken) > 10 * TOL, broken  # 1.4e-4: the tower feeds one gated layer
+
+
 @pytest.mark.parametrize("kind", cases.VISION_FAMILIES)
 def test_vision_and_speech_missing_all_reduce_is_caught(ranks, kind):
     """Negative control: one row-wise layer's partial sums left unsummed."""

@@ -61,6 +61,23 @@ def build(kind: str) -> nn.Module:
         return T.SiglipModel(T.SiglipConfig(text_config=SMALL_TEXT, vision_config=VISION))
     if kind == "whisper":
         return T.WhisperForConditionalGeneration(T.WhisperConfig(**WHISPER))
+    if kind == "mllama":  # a tower of local and global layers; cross-attention decoder layer 1
+        model = T.MllamaForConditionalGeneration(T.MllamaConfig(
+            text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=VOCAB, cross_attention_layers=[1],
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                               attention_heads=4, image_size=16, patch_size=8, max_num_tiles=2,
+                               vision_output_dim=64, intermediate_layers_indices=[0],
+                               supported_aspect_ratios=[[1, 1], [1, 2]]),
+            image_token_index=IMAGE_TOKEN))
+        # Its tanh gates start at 0, which shuts the image path (and the tower's gradients) off:
+        # opened, the comparison sees the tower and the cross-attention.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("_gate", "gate_attn", "gate_ffn")):
+                    p.fill_(1.0)
+        return model
     raise ValueError(kind)
 
 
@@ -81,6 +98,14 @@ def batch_for(kind: str, seed: int) -> dict[str, torch.Tensor]:
     if kind == "whisper":
         features = torch.randn(GLOBAL_BATCH, WHISPER["num_mel_bins"], 2 * WHISPER["max_source_positions"], generator=g)
         return {"input_features": features, "labels": torch.randint(3, VOCAB, (GLOBAL_BATCH, 6), generator=g)}
+    if kind == "mllama":  # one image of two 16x16 tiles (aspect ratio 1x2) per row, seen by every token
+        ids = torch.randint(3, IMAGE_TOKEN - 1, (GLOBAL_BATCH, SEQ), generator=g)
+        ids[:, 1] = IMAGE_TOKEN
+        return {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE_TOKEN, -100),
+                "pixel_values": torch.randn(GLOBAL_BATCH, 1, 2, 3, 16, 16, generator=g),
+                "aspect_ratio_ids": torch.full((GLOBAL_BATCH, 1), 2),
+                "aspect_ratio_mask": torch.ones(GLOBAL_BATCH, 1, 2, dtype=torch.long),
+                "cross_attention_mask": torch.ones(GLOBAL_BATCH, SEQ, 1, 2, dtype=torch.long)}
     raise ValueError(kind)
 
 

@@ -40,8 +40,8 @@ def _attention_mlp(layers: str, attention: str, out: str, up: str, down: str) ->
 # Relative to the base model (`model.base_model`); the output head is added from
 # `get_output_embeddings()`. Fused projections whose parts are laid out [q | k | v] need the
 # packed style; GPT-NeoX's fused qkv is laid out per head, so plain colwise keeps heads whole.
-# Vision encoders (ViT, DINOv2, CLIP, SigLIP) and Whisper split their attention and MLP like a
-# decoder; patch/conv front-ends, position embeddings, pooling heads, classifiers and the
+# Vision encoders (ViT, DINOv2, CLIP, SigLIP, Mllama's tower) and Whisper split their attention
+# and MLP like a decoder; patch/conv front-ends, position embeddings, pooling heads, classifiers and the
 # contrastive projections stay whole.
 SMP_TABLES: dict[str, dict[str, str]] = {
     "gpt2": {
@@ -65,6 +65,19 @@ SMP_TABLES: dict[str, dict[str, str]] = {
     **{t: {**_attention_mlp("text_model.encoder.layers", "self_attn", "out_proj", "mlp.fc1", "mlp.fc2"),
            **_attention_mlp("vision_model.encoder.layers", "self_attn", "out_proj", "mlp.fc1", "mlp.fc2")}
        for t in ("clip", "siglip")},
+    # Llama 3.2 Vision: a ViT-style tower (local and global encoder layers) and a Llama decoder
+    # whose cross-attention layers read the tower's states; embeddings stay whole.
+    "mllama": {
+        **_attention_mlp("vision_model.transformer.layers", "self_attn", "o_proj", "mlp.fc1", "mlp.fc2"),
+        **_attention_mlp("vision_model.global_transformer.layers", "self_attn", "o_proj", "mlp.fc1", "mlp.fc2"),
+        **{f"language_model.layers.*.{attention}.{p}_proj": "colwise"
+           for attention in ("self_attn", "cross_attn") for p in ("q", "k", "v")},
+        "language_model.layers.*.self_attn.o_proj": "rowwise",
+        "language_model.layers.*.cross_attn.o_proj": "rowwise",
+        "language_model.layers.*.mlp.gate_proj": "colwise",
+        "language_model.layers.*.mlp.up_proj": "colwise",
+        "language_model.layers.*.mlp.down_proj": "rowwise",
+    },
     "whisper": {
         **_attention_mlp("encoder.layers", "self_attn", "out_proj", "fc1", "fc2"),
         **_attention_mlp("decoder.layers", "self_attn", "out_proj", "fc1", "fc2"),
