@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import smp
-from smp.checkpointing import hf_conversion
+from smp.checkpointing import hf_conversion, packed
 from smp.testing.distributed import full_tensor
 
 
@@ -50,9 +50,9 @@ def _tampered(tamper: str):
             first, second = list(out)[:2]
             out[first], out[second] = out[second], out[first]
             return out
-    elif tamper == "box_read":
-        original, name = hf_conversion.read_whole, "read_whole"
-        patched = lambda t: False  # noqa: E731
+    elif tamper == "box_read":  # load_hf asks packed.read_whole which tensors to read whole
+        original = packed.read_whole
+        return (lambda: setattr(packed, "read_whole", lambda t: False)), (lambda: setattr(packed, "read_whole", original))
     else:
         raise ValueError(tamper)
     return (lambda: setattr(hf_conversion, name, patched)), (lambda: setattr(hf_conversion, name, original))

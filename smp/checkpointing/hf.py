@@ -33,8 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from smp.checkpointing import atomic, hf_nonfloat, metadata
-from smp.checkpointing import hf_conversion, packed
+from smp.checkpointing import atomic, hf_conversion, hf_nonfloat, metadata, packed
 from smp.checkpointing.collective import is_dist as _dist
 from smp.checkpointing.collective import on_rank0
 from smp.checkpointing.collective import rank as _rank
@@ -587,9 +586,9 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
         )
     # Keyed by the file's names, holding the model's tensors: DCP writes straight into them. A
     # DTensor holding no single box of its tensor (a packed TP weight) gets a whole-size buffer,
-    # placed by its own placements after the read (hf_conversion.read_whole).
+    # placed by its own placements after the read (packed.read_whole).
     to_read = {key: state[target] for key, target in mapping.items()}
-    whole = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in to_read.items() if hf_conversion.read_whole(t)}
+    whole = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in to_read.items() if packed.read_whole(t)}
     to_read.update(whole)
     try:
         dcp.load(to_read, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=not _dist())
@@ -598,10 +597,10 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
             raise
         raise load_error(e, hf_dir) from None
     for key, value in whole.items():
-        hf_conversion.place(value, state[mapping[key]], mapping[key], source)
+        packed.place(value, state[mapping[key]], mapping[key], source)
     del whole
     hf_conversion.load(groups, conversion, files, state, source)  # local reads: no collective
     with torch.no_grad():
-        for source, target in copies:  # the other copies of a tie across pipeline stages
-            _local(state[target]).copy_(_local(state[source]))
+        for loaded, other in copies:  # the other copies of a tie across pipeline stages
+            _local(state[other]).copy_(_local(state[loaded]))
     set_model_state_dict(model, state)

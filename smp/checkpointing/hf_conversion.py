@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from smp.checkpointing.packed import place, read_whole  # noqa: F401 - load_hf's whole reads
+from smp.checkpointing.packed import place
 from smp.errors import CheckpointError
 
 
