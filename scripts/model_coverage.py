@@ -1,4 +1,4 @@
-"""Write docs/model-coverage.md: every model family x parallelism mode (FSDP, delayed init,
+"""Write the model-coverage matrix: every model family x parallelism mode (FSDP, delayed init,
 TP=2, TP=2 + sequence parallel, full checkpointing + offloading on world 2; FSDP hybrid
 sharding, and TP=2 x FSDP 2 + SP for the families exact at TP=2 + SP, on world 4), each cell
 "exact" (loss and gradients within 1e-5 of one process; delayed init also bitwise parameters)
@@ -8,7 +8,7 @@ Families come from transformers' registry (every causal-LM family whose config s
 `base_model_tp_plan`) plus BERT-MLM, T5 and GPT-2; nothing is listed by hand.
 
     .venv/bin/python scripts/model_coverage.py [--families llama,qwen2] [--modes tp2,tp2-sp]
-                                               [--out docs/model-coverage.md]
+                                               [--out evidence/model-coverage.md]
 
 Runs on gloo ranks (CPU), one cell at a time, 240 s at most per cell. A family that neither
 matches nor is refused (a crash, a silent mismatch, a mode that did nothing) is written as such
@@ -16,13 +16,16 @@ and makes the script exit 1. Only the cells a run computes are rewritten (--fami
 --modes choose them); before each write the script re-reads --out and keeps every other cell,
 so runs on other families or columns at the same time keep theirs. The files are rewritten after
 each cell, so an interrupted run keeps the cells it finished. The page shows a verdict per cell
-with each distinct reason once; the full cell texts are kept in docs/model-coverage.json.
-`--render-only` rewrites the page from that file.
+with each distinct reason once; the full cell texts are kept in evidence/model-coverage.json.
+Beside that evidence page, the user's summary (docs/model-coverage.md: totals per column, the
+families exact everywhere, and each kind of refusal with its families) is rewritten from the
+same cells. `--render-only` rewrites both pages from the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import fcntl
 import hashlib
@@ -180,7 +183,7 @@ def run_rows(pool: Callable[[int], RankPool], only: list[str] | None, modes: lis
 
 
 def data_path(out: str) -> str:
-    """The full cell texts live beside the page (`docs/model-coverage.json`): the page shows a
+    """The full cell texts live beside the page (`evidence/model-coverage.json`): the page shows a
     verdict per cell and each distinct reason once, the JSON keeps every word for reruns."""
     return os.path.splitext(out)[0] + ".json"
 
@@ -236,7 +239,7 @@ listed under the table, not in it). **not run [n]**: the column does not apply, 
 **crash** or **mismatch** appears only in the peer's column: they are findings about transformers.
 
 How it is made: `scripts/model_coverage.py` (do not edit by hand; full cell texts in
-`model-coverage.json` beside this page), families from transformers' registry (every causal-LM
+`model-coverage.json` beside this page; the summary is [docs/model-coverage.md](../docs/model-coverage.md)), families from transformers' registry (every causal-LM
 family whose config ships a `base_model_tp_plan`) plus BERT masked LM, T5 and GPT-2, at hidden 64,
 2 layers, 4 heads, 2 KV heads, vocab 256, intermediate 128. TP columns use the model's own plan;
 SP also shards the norms and dropout regions along the sequence; *TP2 x FSDP2 + SP* runs for the
@@ -246,7 +249,7 @@ folder in one process. *AC + offload* wraps every block in full checkpointing an
 saved activation (`activation_offload_min_bytes: 0`). A family whose training forward draws random
 numbers (PhiMoE's sampled routing) is compared in eval mode and says so. The hand-built TP cases
 behind this (per-head norms, MoE experts, gathered regions, user plans, negative controls) are in
-[Tensor parallelism](tensor-parallel.md#model-coverage)."""
+[Tensor parallelism](../docs/tensor-parallel.md)."""
 
 
 def render(rows: dict[str, dict[str, str]], vision_rows: dict[str, dict[str, str]] | None = None) -> str:
@@ -388,8 +391,108 @@ def peer_summary(rows: dict[str, dict[str, str]]) -> str:
             f"{len(only_smp)}{' (' + ', '.join(only_smp) + ')' if only_smp else ''}.")
 
 
+# Kinds of refusal, for the summary: (pattern in the cell text, what it means for the user).
+# A refusal matching none is listed under "other", with its own first words.
+REFUSAL_KINDS = [
+    (r"has no tensor-parallel plan", "no tensor-parallel plan: the family ships none and smp's table has none "
+                                     "(give `tp_plan=` or `tensor_parallel.plan`)"),
+    (r"normalises with the batch statistics", "BatchNorm in training mode: each rank would normalise its own rows "
+                                              "(eval mode, frozen norms, or SyncBatchNorm)"),
+    (r"blank image|image path", "mixed batch: the image path cannot run on a rank whose rows have no image"),
+    (r"delayed initialisation cannot", "delayed init: construction that smp cannot replay on the meta device "
+                                       "(build eagerly, or `transform(weights=folder)`)"),
+    (r"replicated inside the split region", "a replicated parameter inside a tensor-parallel region"),
+    (r"pipeline stages|base_model_pp_plan|smp splits a transformers causal LM",
+     "pipeline split: the forward does more between layers than smp can place on stages"),
+    (r"sequence_parallel", "sequence parallel does not apply to this model's regions"),
+    (r"fused \[gate / up\]|all_reduce", "a fused or shared layer the plan would split wrongly"),
+    (r"tied parameters differently", "tied parameters split differently by the plan"),
+    (r"ScaledWordEmbedding|style 'embedding", "an embedding the plan splits in a way its forward does not allow"),
+    (r"leaves tensors of this model unloaded", "transformers' own `from_pretrained` leaves tensors unloaded"),
+]
+
+
+def refusal_kind(text: str) -> str:
+    for pattern, meaning in REFUSAL_KINDS:
+        if re.search(pattern, text):
+            return meaning
+    return "other: " + re.sub(r"\s+", " ", text)[:90]
+
+
+def summary_section(title: str, rows: dict[str, dict[str, str]], columns: dict[str, str]) -> list[str]:
+    """Totals per column, the families exact in every column that ran, and each kind of refusal
+    with the families (and columns) it hit."""
+    counts: dict[str, collections.Counter] = {mode: collections.Counter() for mode in columns}
+    everywhere, skipped, odd = [], [], []
+    kinds: dict[str, dict[str, list[str]]] = {}
+    for family, row in rows.items():
+        statuses = {mode: verdict(row.get(mode, NOT_RUN))[0] for mode in columns}
+        if all(s == "skipped" for s in statuses.values()):
+            skipped.append(family)
+            continue
+        for mode, status in statuses.items():
+            counts[mode][status] += 1
+            if status == "refused":
+                kinds.setdefault(refusal_kind(row[mode]), {}).setdefault(family, []).append(columns[mode])
+            elif status in ("crash", "mismatch", "unproven") and mode != "peer":
+                odd.append(f"{family} ({columns[mode]}: {status})")
+        if all(s in ("exact", "not run") for m, s in statuses.items() if m != "peer"):
+            everywhere.append(family)
+    statuses = sorted({s for c in counts.values() for s in c})
+    lines = [
+        f"## {title}",
+        "",
+        f"| column | {' | '.join(statuses)} |",
+        f"|---|{'---|' * len(statuses)}",
+        *(f"| {columns[m]} | " + " | ".join(str(counts[m][s] or "") for s in statuses) + " |" for m in columns),
+        "",
+        f"Exact in every column that applies ({len(everywhere)}): {', '.join(everywhere)}.",
+        "",
+    ]
+    if odd:
+        lines += [f"Neither exact nor refused: {'; '.join(odd)}.", ""]
+    lines += ["Refused, by kind (family: columns):", ""]
+    for meaning, by_family in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        listed = "; ".join(f"{f}: {', '.join(cols)}" if len(cols) < len(columns) - 1 else f"{f}: most" for f, cols in by_family.items())
+        lines.append(f"- **{meaning}** ({len(by_family)}): {listed}")
+    if skipped:
+        lines += ["", f"Not built at the tiny shape ({len(skipped)}; a limit of the generic tiny config): {', '.join(skipped)}."]
+    return lines + [""]
+
+
+def render_summary(rows: dict[str, dict[str, str]], vision_rows: dict[str, dict[str, str]] | None = None) -> str:
+    """docs/model-coverage.md: what a user needs to know of the matrix in a few screens; the
+    per-family matrix with every reason is the evidence page beside the JSON."""
+    text_rows = {f: rows[f] for f, _ in families(None) if f in rows}
+    vision = vision_rows or {}
+    vision_ordered = {f: vision[f] for f, _ in vcases.vision_families() if f in vision}
+    lines = [
+        "# Model coverage",
+        "",
+        "Every transformers family smp was run on, in each parallelism mode. A family is **exact** in a "
+        "column when `smp.transform` with that column's config gives the loss and every gradient of one "
+        "SGD step within 1e-5 of the same model in one process (delayed init and pretrained loads: every "
+        "parameter and buffer bitwise); **refused** when smp raised its own error, naming the module and "
+        "the fix, before training. Nothing in between: a family smp cannot prove is refused.",
+        "",
+        "Families come from transformers' registry (every causal-LM family whose config ships a "
+        "`base_model_tp_plan`, plus BERT, T5 and GPT-2; vision, multimodal and speech families from its "
+        "auto mappings), built tiny (hidden 64, 2 layers, 4 heads, vocab 256). The per-family matrix with "
+        "every reason is [evidence/model-coverage.md](../evidence/model-coverage.md); "
+        "`.venv/bin/python scripts/model_coverage.py` reruns it (`--render-only` rewrites both pages).",
+        "",
+        *summary_section("Language models", text_rows, {m: SHORT[m] for m in COLUMNS}),
+        *summary_section("Vision, multimodal and speech", vision_ordered,
+                         {m: vision_short(m) for m in vision_columns()}),
+        "The peer column (transformers' own TP 2) is there for comparison: its crashes and mismatches are "
+        "findings about transformers, not smp.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def write_merged(path: str, computed: dict[str, dict[str, str]],
-                 vision_computed: dict[str, dict[str, str]] | None = None) -> None:
+                 vision_computed: dict[str, dict[str, str]] | None = None, summary: str | None = None) -> None:
     """Re-read the cells and write them back with every cell of `computed` (all this run has
     computed, not only the last cell: a concurrent run that rewrote the files from an older copy
     loses nothing of ours at our next write) and every other cell as it stands now. Runs of this
@@ -404,6 +507,8 @@ def write_merged(path: str, computed: dict[str, dict[str, str]],
             vision[family] = {**vision.get(family, {}), **texts}
         replace_whole(data_path(path), json.dumps({"cells": rows, "vision": vision}, indent=1, sort_keys=True) + "\n")
         replace_whole(path, render(rows, vision))
+        if summary:
+            replace_whole(summary, render_summary(rows, vision))
 
 
 def replace_whole(path: str, text: str) -> None:
@@ -417,13 +522,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", help="comma-separated subset (default: all)")
     parser.add_argument("--modes", help=f"comma-separated columns to run (default: all): {', '.join(COLUMNS)}")
-    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "model-coverage.md"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "evidence", "model-coverage.md"))
+    parser.add_argument("--summary", default=os.path.join(ROOT, "docs", "model-coverage.md"),
+                        help="the user's page rewritten from the same cells")
     parser.add_argument("--render-only", action="store_true", help="rewrite the page from the stored cells; run nothing")
     parser.add_argument("--section", choices=("text", "vision"), default="text",
                         help="text: the causal-LM table; vision: the vision, multimodal and speech families")
     args = parser.parse_args()
     if args.render_only:
-        write_merged(args.out, {})
+        write_merged(args.out, {}, summary=args.summary)
         return 0
     os.environ.setdefault("TRITON_INTERPRET", "1")
     only = args.families.split(",") if args.families else None
@@ -446,7 +553,7 @@ def main() -> int:
         for family, mode, text in (run_vision_rows if vision else run_rows)(pool, only, modes, rows):
             computed.setdefault(family, {})[mode] = text
             # after each cell: an interrupted run keeps its cells
-            write_merged(args.out, {} if vision else computed, computed if vision else None)
+            write_merged(args.out, {} if vision else computed, computed if vision else None, summary=args.summary)
     finally:
         for p in pools.values():
             p.close()
