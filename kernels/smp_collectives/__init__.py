@@ -4,6 +4,8 @@
 - `quantized_reduce_scatter` / `QuantizedReduceScatter`: int8 / fp8 block-quantised
   reduce-scatter with fp32 scales and optional error feedback;
 - `CrossReplicaAllReduce`: an FSDP2 all-reduce hook that compresses only the cross-replica hop;
+- `ParameterAllGather` / `quantized_parameter_all_gather`: int8 / fp8 block-quantised parameter
+  all-gather (ZeRO++'s qwZ), decoded straight into the parameter dtype;
 - `quantize` / `dequantize` / `dequantize_accumulate`: fused Triton kernels on GPUs, bitwise
   equal pure-torch paths elsewhere;
 - `counters`: bytes each rank sent, per collective.
@@ -26,10 +28,12 @@ from smp_collectives.comms import (
 )
 from smp_collectives.error_feedback import Residual
 from smp_collectives.formats import KINDS
+from smp_collectives.parameter_gather import ParameterAllGather, quantized_parameter_all_gather
 from smp_collectives.quantization import dequantize, dequantize_accumulate, error_bound, quantize
 
 __all__ = [
     "KINDS",
+    "ParameterAllGather",
     "CrossReplicaAllReduce",
     "QuantizedReduceScatter",
     "Residual",
@@ -43,6 +47,7 @@ __all__ = [
     "quantize",
     "quantized_all_gather",
     "quantized_bytes",
+    "quantized_parameter_all_gather",
     "quantized_reduce_scatter",
     "ring",
 ]

@@ -140,14 +140,17 @@ def _quantize_span(x, block, kind, residual, codes, scale) -> None:
 
 
 def quantize_torch(
-    x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+    x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [rows, cols], scales fp32 [rows, blocks]); updates `residual` in place.
-    `out`: where the codes go (uint8 [rows, cols], rows contiguous; e.g. a message buffer)."""
+    `out`: where the codes go (uint8 [rows, cols], rows contiguous; e.g. a message buffer);
+    `scale_out`: where the scales go (fp32 [rows, blocks])."""
     check_format(kind, block)
     rows, cols = x.shape
     codes = out if out is not None else torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((rows, num_blocks(cols, block)), dtype=torch.float32, device=x.device)
+    scale = scale_out if scale_out is not None else torch.empty(
+        (rows, num_blocks(cols, block)), dtype=torch.float32, device=x.device)
     for c0, c1 in _spans(rows, cols, block):
         _quantize_span(
             x[:, c0:c1], block, kind, residual[:, c0:c1] if residual is not None else None,
@@ -220,15 +223,20 @@ def _use_triton(x: torch.Tensor, impl: str) -> bool:
     return True
 
 
-def quantize(x, block, kind, residual=None, impl="auto", out=None):
+def quantize(x, block, kind, residual=None, impl="auto", out=None, scale_out=None):
     """Quantise `x[rows, cols]` per block; see the module docstring. `impl`: auto|torch|triton.
-    `out`: optional uint8 [rows, cols] destination for the codes (returned as the codes)."""
+    `out`: optional uint8 [rows, cols] destination for the codes (returned as the codes);
+    `scale_out`: optional fp32 [rows, blocks] destination for the scales."""
     if _use_triton(x, impl):
         from smp_collectives import triton_kernels
 
+        if (out is None or out.is_contiguous()) and (scale_out is None or scale_out.is_contiguous()):
+            return triton_kernels.quantize(x, block, kind, residual, out=out, scale_out=scale_out)
         codes, scale = triton_kernels.quantize(x, block, kind, residual)
+        if scale_out is not None:
+            scale = scale_out.copy_(scale)
         return (out.copy_(codes) if out is not None else codes), scale
-    return quantize_torch(x, block, kind, residual, out)
+    return quantize_torch(x, block, kind, residual, out, scale_out)
 
 
 def dequantize(q, scale, block, kind, impl="auto", out=None):

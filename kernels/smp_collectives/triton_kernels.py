@@ -128,13 +128,20 @@ def _launch(block: int, device: torch.device) -> tuple[int, dict]:
     return max(1, _TILE_GPU // block), {"enable_fp_fusion": False, "num_warps": _WARPS_GPU}
 
 
-def quantize(x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | None = None):
+def quantize(
+    x: torch.Tensor, block: int, kind: str, residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+):
+    """(codes uint8 [rows, cols], scales fp32 [rows, blocks]), written into `out` / `scale_out`
+    when given (contiguous; e.g. slices of one message buffer, so no copy follows)."""
     check_format(kind, block)
     x = x.contiguous()
     rows, cols = x.shape
     nb = num_blocks(cols, block)
-    q = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((rows, nb), dtype=torch.float32, device=x.device)
+    q = out if out is not None else torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
+    scale = scale_out if scale_out is not None else torch.empty((rows, nb), dtype=torch.float32, device=x.device)
+    assert q.is_contiguous() and q.dtype == torch.uint8 and q.numel() == rows * cols
+    assert scale.is_contiguous() and scale.dtype == torch.float32 and scale.numel() == rows * nb
     if residual is not None:
         assert residual.is_contiguous() and residual.dtype == torch.float32 and residual.shape == x.shape
     group, options = _launch(block, x.device)
@@ -177,5 +184,53 @@ def dequantize(
     _dequantize_accumulate_kernel[(triton.cdiv(nb, group), rows)](
         q.contiguous(), scale.contiguous(), out, 1, cols, nb, 1.0,
         IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, **options,
+    )
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Parameter all-gather: rows of a gathered message, decoded straight into the parameter dtype
+
+
+@triton.jit
+def _dequantize_message_kernel(
+    msg_ptr, scale_ptr, out_ptr, cols, nb, width, codes_at,
+    OUT_BF16: tl.constexpr, IS_FP8: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+):
+    # Row r of the message (width bytes): nb fp32 scales, then cols codes (parameter_gather.py). The
+    # same buffer comes in twice: as bytes (msg_ptr) and as fp32 words (scale_ptr).
+    row = tl.program_id(1).to(tl.int64)
+    blk = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    col = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (col < cols) & (blk[:, None] < nb)
+    q = tl.load(msg_ptr + row * width + codes_at + col, mask=mask, other=0)
+    s = tl.load(scale_ptr + row * (width // 4) + blk, mask=blk < nb, other=0.0)
+    v = _decode(q, IS_FP8) * s[:, None]
+    if OUT_BF16:
+        # fp32 -> bf16, round to nearest even on the bits (the interpreter's cast truncates):
+        # add 0x7FFF plus the lowest kept bit, keep the high half. Exact for finite values.
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(out_ptr + row * cols + col, bits.to(tl.int16), mask=mask)
+    else:
+        tl.store(out_ptr + row * cols + col, v, mask=mask)
+
+
+def dequantize_message(
+    message: torch.Tensor, cols: int, block: int, kind: str, out: torch.Tensor
+) -> torch.Tensor:
+    """`out` [rows, cols] (fp32 or bf16, contiguous) = each row of the gathered `message`
+    (uint8 [rows, width], see message.py) decoded and scaled, in one pass."""
+    check_format(kind, block)
+    rows, width = message.shape
+    nb = num_blocks(cols, block)
+    assert message.is_contiguous() and message.dtype == torch.uint8 and width % 4 == 0
+    assert out.is_contiguous() and out.numel() == rows * cols and out.dtype in (torch.float32, torch.bfloat16)
+    group, options = _launch(block, message.device)
+    out_bf16 = out.dtype == torch.bfloat16
+    _dequantize_message_kernel[(triton.cdiv(nb, group), rows)](
+        message, message.view(torch.float32), out.view(torch.int16) if out_bf16 else out,
+        cols, nb, width, 4 * nb,
+        OUT_BF16=out_bf16, IS_FP8=kind == "fp8", BLOCK=block, GROUP=group, **options,
     )
     return out
