@@ -102,6 +102,34 @@ class GradientSyncConfig(_Strict):
         return value
 
 
+class ParameterGatherConfig(_Strict):
+    # default: FSDP2's own all-gather (exact). int8/fp8: each unit's shard is sent as 1-byte
+    # block-quantised codes + an fp32 scale per block and decoded into the parameter dtype
+    # (~0.51x the bf16 bytes; per value within absmax/254 of its block (int8) or 2**-4 relative
+    # (fp8)). Only the gathered copy is lossy; the optimizer updates the exact sharded parameters.
+    algorithm: Literal["default", "int8", "fp8"] = "default"
+    # Values per scale: smaller = tighter error, more scale bytes (4 B / block). A power of two.
+    block_size: int = Field(default=256, ge=16)
+    # hpZ: true (ranks per node from $LOCAL_WORLD_SIZE) or the number of consecutive ranks of a
+    # node: after forward each block stays sharded over its node's ranks and backward gathers
+    # there, exact, instead of over every shard rank (memory: 1/k of a block's parameters per rank).
+    hierarchical: Union[bool, int] = False
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"parameter_gather.block_size must be a power of two (e.g. 256), got {value}")
+        return value
+
+    @field_validator("hierarchical")
+    @classmethod
+    def _group_size(cls, value: bool | int) -> bool | int:
+        if not isinstance(value, bool) and value < 2:
+            raise ValueError(f"parameter_gather.hierarchical is true, false or the ranks per node (>= 2), got {value}")
+        return value
+
+
 class TensorParallelConfig(_Strict):
     # Norms (and dropout) between attention/MLP run on a 1/tp slice of the sequence: activations
     # there shrink by tp, for an all-gather + reduce-scatter in place of each all-reduce.
@@ -321,6 +349,7 @@ class SMPConfig(_Strict):
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     context_parallel: ContextParallelConfig = ContextParallelConfig()
     gradient_sync: GradientSyncConfig = GradientSyncConfig()
+    parameter_gather: ParameterGatherConfig = ParameterGatherConfig()
     compile: CompileConfig = CompileConfig()
     moe: MoEConfig = MoEConfig()
     pipeline: PipelineConfig = PipelineConfig()
@@ -354,6 +383,34 @@ class SMPConfig(_Strict):
     @classmethod
     def _sync_from_string(cls, value: Any) -> Any:
         return {"algorithm": value} if isinstance(value, str) else value
+
+    @field_validator("parameter_gather", mode="before")
+    @classmethod
+    def _gather_from_string(cls, value: Any) -> Any:
+        return {"algorithm": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _parameter_gather_composes(self) -> "SMPConfig":
+        gather = self.parameter_gather
+        if gather.algorithm == "default" and gather.hierarchical is False:
+            return self
+        if self.gradient_sync.algorithm == "ring":
+            raise ValueError(
+                "gradient_sync.algorithm 'ring' replaces FSDP's parameter all-gather too, which parameter_gather "
+                "also replaces; use gradient_sync int8 / fp8 / default beside parameter_gather"
+            )
+        if gather.hierarchical is not False and self.tensor_parallel_degree > 1:
+            raise ValueError(
+                f"parameter_gather.hierarchical with tensor_parallel_degree={self.tensor_parallel_degree} is not "
+                f"supported: FSDP2 cannot reshard tensor-parallel (DTensor) parameters to the node's ranks after "
+                f"forward; set hierarchical: false (algorithm int8 / fp8 still applies)"
+            )
+        if gather.hierarchical is not False and "reshard_after_forward" in self.model_fields_set:
+            raise ValueError(
+                f"parameter_gather.hierarchical sets the blocks' reshard_after_forward to the ranks per node; "
+                f"remove reshard_after_forward: {self.reshard_after_forward!r}, or set hierarchical: false"
+            )
+        return self
 
     @field_validator("compile", mode="before")
     @classmethod

@@ -38,7 +38,7 @@ def build(family: str) -> torch.nn.Module:
 def _tampered(tamper: str):
     """(patch, undo) for a deliberately broken load: `expert_order` stacks the experts in reverse
     order; `swap_outputs` gives a converter's first two results each other's values; `box_read`
-    lets DCP read a packed tensor-parallel weight as one box (its chunk offsets)."""
+    reads a packed tensor-parallel weight as one box (DCP's chunk offsets)."""
     if tamper == "expert_order":
         original, name = hf_conversion.in_load_order, "in_load_order"
         patched = lambda keys, conversion: original(keys, conversion)[::-1]  # noqa: E731
@@ -50,9 +50,13 @@ def _tampered(tamper: str):
             first, second = list(out)[:2]
             out[first], out[second] = out[second], out[first]
             return out
-    elif tamper == "box_read":  # load_hf asks packed.read_whole which tensors to read whole
-        original = packed.read_whole
-        return (lambda: setattr(packed, "read_whole", lambda t: False)), (lambda: setattr(packed, "read_whole", original))
+    elif tamper == "box_read":  # load_hf asks packed.boxes which boxes a rank's part is made of
+        original = packed.boxes
+
+        def one_box(t):  # DCP's view: one box from the first index held, of the local shape
+            local = list(t.to_local().shape)
+            return [([int(packed._held(t, d)[0]) for d in range(t.ndim)], local, [0] * t.ndim)]
+        return (lambda: setattr(packed, "boxes", one_box)), (lambda: setattr(packed, "boxes", original))
     else:
         raise ValueError(tamper)
     return (lambda: setattr(hf_conversion, name, patched)), (lambda: setattr(hf_conversion, name, original))

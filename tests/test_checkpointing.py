@@ -329,7 +329,7 @@ def test_load_hf_convert_equals_from_pretrained(ranks, tmp_path, family, config,
     and a meta model under FSDP. Negative controls beside them: experts stacked in reverse order
     or two chunks swapped differ, so the comparison would see a wrong conversion. The last case
     holds the fused layout in the file (nothing to convert) under TP: the packed gate|up is read
-    whole and split by its placements; read as DCP's one box per rank (the control) it differs."""
+    box by box (packed.boxes); read as DCP's one box per rank (the control) it differs."""
     from tests import hf_conversion_cases as hcases
 
     for r in ranks(2).run(hcases.load_like_from_pretrained, config=config, family=family, meta=meta,

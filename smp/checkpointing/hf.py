@@ -7,18 +7,19 @@ loads the folder with no smp installed. Integer, bool and complex tensors (Batch
 `num_batches_tracked`), which that consolidation cannot write, go into one more file written by
 rank 0 (hf_nonfloat.py). The folder appears atomically, as a checkpoint does.
 
-Import: each rank asks DCP's `HuggingFaceStorageReader` for exactly the slices of each tensor
-that its shards hold (safetensors reads slices from the memory-mapped file), so no rank ever
-holds more than its own shards plus one slice in flight: the whole model is never
-materialised on one rank. Two kinds of tensor are read whole instead (hf_conversion.py): those
-from_pretrained converts with transformers' own converters (per-expert tensors stacked, a fused
-qkv chunked; one converter's sources at a time), and packed tensor-parallel weights, whose part
-on a rank is not one box of the tensor.
+Import: the files `from_pretrained` would read (hf_checks.py: the index followed, every file a
+regular file, every header checked), read by byte range with no memory mapping (hf_read.py):
+each rank reads exactly the boxes of each tensor that its shards hold, straight into them, so it
+holds its own shards plus one slab of at most hf_read.CHUNK_BYTES in flight, in private and in
+resident memory alike: the whole model is never materialised on one rank. A packed
+tensor-parallel weight (fused q|k|v), whose part on a rank is several boxes, is read box by box
+(packed.boxes). Tensors from_pretrained converts with transformers' own converters (per-expert
+tensors stacked, a fused qkv chunked) are read whole, one converter's sources at a time
+(hf_conversion.py).
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -30,14 +31,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from smp.checkpointing import atomic, hf_conversion, hf_nonfloat, metadata, packed
+from smp.checkpointing.collective import agree
 from smp.checkpointing.collective import is_dist as _dist
 from smp.checkpointing.collective import on_rank0
 from smp.checkpointing.collective import rank as _rank
-from smp.checkpointing.hf_checks import check_safetensors_files, load_error
+from smp.checkpointing.hf_checks import read_folder
+from smp.checkpointing.hf_read import Damaged, Stored
+from smp.regular_files import NotReadable
 from smp.checkpointing.pipeline import gather_over_pipeline, stages_view, whole_model_shapes
 from smp.checkpointing.sharded import _agree_on_tmp, wait
 from smp import _compat
@@ -171,33 +175,6 @@ def _one_copy_of_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[
             if name != keep:
                 del state[name]
     return state
-
-
-def _hf_shapes(hf_dir: str) -> dict[str, list[int]]:
-    """Names and shapes from the safetensors headers only (no tensor data is read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for file in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = list(f.get_slice(key).get_shape())
-    return shapes
-
-
-def _check_hf_dir(hf_dir: str) -> None:
-    if not os.path.isdir(hf_dir):
-        raise CheckpointError(
-            f"Hugging Face checkpoint {hf_dir!r} is not a directory (load_hf reads local folders only)"
-        )
-    if not glob.glob(os.path.join(hf_dir, "*.safetensors")):
-        found = sorted(os.listdir(hf_dir))[:10]
-        hint = (" it holds PyTorch .bin weights: convert them to safetensors first"
-                if any(n.endswith(".bin") for n in found) else "")
-        raise CheckpointError(
-            f"{hf_dir!r} is not a Hugging Face safetensors checkpoint (no *.safetensors file; "
-            f"found {found});{hint or ' pass the folder that save_pretrained / export_hf wrote'}"
-        )
 
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -526,6 +503,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _read_boxes(folder: dict[str, Stored], mapping: dict[str, str], state: dict[str, Any]) -> None:
+    """Read each key of `mapping` into this rank's part of its model tensor: one box for a
+    shard, several for a packed tensor-parallel weight (packed.boxes), in file order."""
+    def place(key: str) -> tuple[str, int]:
+        entry = folder[key].pieces[0][0]
+        return entry.file, entry.start
+
+    for key in sorted(mapping, key=place):
+        target = state[mapping[key]]
+        for offsets, sizes, local_at in _boxes(target):
+            out = _local(target)
+            for dim, (at, size) in enumerate(zip(local_at, sizes)):
+                out = out.narrow(dim, at, size)
+            folder[key].read(offsets, sizes, out)
+
+
+def _boxes(t: torch.Tensor) -> list[tuple[list[int], list[int], list[int]]]:
+    """(offsets in the whole tensor, sizes, offsets in the local tensor) of each box this rank holds."""
+    if isinstance(t, DTensor):
+        return packed.boxes(t) if t.device_mesh.get_coordinate() is not None else []
+    return [([0] * t.dim(), list(t.shape), [0] * t.dim())]
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -549,8 +549,7 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
     """
     wait()
     hf_dir = os.path.abspath(os.fspath(hf_dir))
-    _check_hf_dir(hf_dir)
-    check_safetensors_files(hf_dir)  # truncated, unparsable or forged headers: named, before any read
+    folder = read_folder(hf_dir)  # from_pretrained's files, every header checked before any read
     on_meta = has_meta_tensors(model)
     source = f"Hugging Face checkpoint {hf_dir!r}"
     # A pipelined model: each rank reads its stages' tensors; the file is matched against the
@@ -560,8 +559,8 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
     local_shapes = metadata.tensor_shapes(state)
     shapes = whole_model_shapes(local_shapes, pp_group, f"load_hf {hf_dir!r}")
     conversion = _key_converter(stages[0])
-    mapping, groups, ignored = _plan_hf_load(_hf_shapes(hf_dir), stages[0], shapes, source, conversion)
-    files = hf_conversion.source_files(hf_dir, groups, source)  # the converters' sources, read whole
+    saved = {key: stored.shape for key, stored in folder.items()}
+    mapping, groups, ignored = _plan_hf_load(saved, stages[0], shapes, source, conversion)
     whole_mapping, mapping = mapping, {key: target for key, target in mapping.items() if target in local_shapes}
     copies = _tied_copies(whole_mapping, mapping, _tied_groups(model), local_shapes)
     if on_meta:
@@ -584,22 +583,17 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
             f"(legacy buffers, ignorable or duplicate tied keys): {', '.join(ignored)}",
             SMPWarning, stacklevel=2,
         )
-    # Keyed by the file's names, holding the model's tensors: DCP writes straight into them. A
-    # DTensor holding no single box of its tensor (a packed TP weight) gets a whole-size buffer,
-    # placed by its own placements after the read (packed.read_whole).
-    to_read = {key: state[target] for key, target in mapping.items()}
-    whole = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in to_read.items() if packed.read_whole(t)}
-    to_read.update(whole)
+    # Each rank reads the boxes of each tensor its shards hold, straight into them (hf_read.py:
+    # no mapping, so only what it keeps stays resident); transformers' converters' sources are
+    # read whole, one group at a time. Local reads: the only collective is the agreement that
+    # every rank read everything (one rank's I/O error raises on all, none waits).
+    problem = None
     try:
-        dcp.load(to_read, storage_reader=HuggingFaceStorageReader(hf_dir), no_dist=not _dist())
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise load_error(e, hf_dir) from None
-    for key, value in whole.items():
-        packed.place(value, state[mapping[key]], mapping[key], source)
-    del whole
-    hf_conversion.load(groups, conversion, files, state, source)  # local reads: no collective
+        _read_boxes(folder, mapping, state)
+        hf_conversion.load(groups, conversion, folder, state, source)
+    except (Damaged, NotReadable, OSError) as e:
+        problem = f"rank {_rank()}: {e}"
+    agree(problem, f"load_hf {hf_dir!r}: a file failed while read (its header passed the checks)")
     with torch.no_grad():
         for loaded, other in copies:  # the other copies of a tie across pipeline stages
             _local(state[other]).copy_(_local(state[loaded]))

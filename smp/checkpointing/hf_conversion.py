@@ -16,21 +16,15 @@ the same converters the way from_pretrained does (`smp._compat.CheckpointConvers
    renamed tensors. A converter that does not run on the file's shapes, or two groups (or a
    group and a renamed key) writing one tensor, is refused naming the key.
 2. Loading, on each rank: each group with a result this rank holds reads its source tensors
-   whole (a merge needs every expert), casts them to the model's dtype as from_pretrained casts
-   them, runs the same converter and copies this rank's part of each result into the model (what
-   the DTensor's placements give this rank, by local slicing). One group at a time: beside the
-   model, at most one group's sources and results are in memory. Renamed tensors keep the
-   sliced read (`load_hf`).
-
-The same placement (packed.py) serves renamed tensors that DCP cannot slice (`read_whole`): a
-packed tensor-parallel weight, whose part on a rank is not one box of the tensor.
+   whole (a merge needs every expert) by byte range (hf_read.py: nothing stays mapped), cast to
+   the model's dtype as from_pretrained casts them, runs the same converter and copies this
+   rank's part of each result into the model (what the DTensor's placements give this rank, by
+   local slicing). One group at a time: beside the model, at most one group's sources and
+   results are in memory. Renamed tensors keep the box-by-box read (`load_hf`).
 """
 
 from __future__ import annotations
 
-import glob
-import os
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,42 +93,12 @@ def plan(matched: dict[str, tuple[str, str]], saved: dict[str, list[int]], conve
     return list(groups.values())
 
 
-def source_files(hf_dir: str, groups: list[Group], source: str) -> dict[str, str]:
-    """{file key: the safetensors file holding it} for every source of `groups`. A source held in
-    pieces by several files (a sharded save not consolidated) is refused: it would be read whole."""
-    if not groups:
-        return {}
-    from safetensors import safe_open
-
-    wanted = {key for group in groups for key in group.keys()}
-    held: dict[str, list[str]] = {}
-    for file in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
-        with safe_open(file, framework="pt") as f:
-            for key in wanted.intersection(f.keys()):
-                held.setdefault(key, []).append(file)
-    split = sorted(key for key, files in held.items() if len(files) > 1)
-    if split:
-        raise CheckpointError(
-            f"{source} holds {split[0]!r} in pieces across {len(held[split[0]])} files, and it is a "
-            "tensor from_pretrained converts (read whole by load_hf). Consolidate the folder "
-            "(save_pretrained, or export_hf) first."
-        )
-    return {key: files[0] for key, files in held.items()}
-
-
-def load(groups: list[Group], conversion: Any, files: dict[str, str], state: dict[str, torch.Tensor],
+def load(groups: list[Group], conversion: Any, folder: dict[str, Any], state: dict[str, torch.Tensor],
          source: str) -> None:
-    """Fill the tensors of `state` (this rank's, keyed by model key) that `groups` convert."""
-    from safetensors import safe_open
-
-    with ExitStack() as stack, torch.no_grad():
-        handles: dict[str, Any] = {}
-
-        def read(key: str, dtype: torch.dtype) -> torch.Tensor:
-            if files[key] not in handles:
-                handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
-            return handles[files[key]].get_tensor(key).to(dtype)
-
+    """Fill the tensors of `state` (this rank's, keyed by model key) that `groups` convert, each
+    source read whole from `folder` (hf_checks.read_folder) by byte range: no file stays mapped
+    or open between reads, so only the group in hand is resident."""
+    with torch.no_grad():
         for group in groups:
             local = [name for name in group.targets if name in state]
             if not local:
@@ -147,7 +111,7 @@ def load(groups: list[Group], conversion: Any, files: dict[str, str], state: dic
                     "a converter's sources to one dtype. Give them one dtype before load_hf."
                 )
             dtype = dtypes.pop()  # from_pretrained casts the sources to the model's dtype, then converts
-            sources = {p: [(k, read(k, dtype)) for k in keys] for p, keys in group.sources.items()}
+            sources = {p: [(k, folder[k].whole(dtype)) for k in keys] for p, keys in group.sources.items()}
             try:
                 results = _converted(conversion, group, sources)
             except Exception as e:  # noqa: BLE001 - ran on the shapes, failed on the data: named

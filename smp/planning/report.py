@@ -15,7 +15,7 @@ from smp.config import ConfigError, ConfigSource, load_config
 from smp.mesh import ParallelDims
 from smp.models import build_causal_lm, resolve_model_config
 from smp.planning.activations import activation_bytes, saved_activation_bytes
-from smp.planning.communication import comm_bytes_per_step
+from smp.planning.communication import comm_bytes_per_step, parameter_gather_note, parameter_gather_settings
 from smp.planning.experts import expert_account, find_experts
 from smp.planning.fake_world import fake_world
 from smp.planning.memory import (
@@ -174,6 +174,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
     shown = ", ".join(root_names[:8]) + (f" ... ({len(root_names) - 8} more)" if len(root_names) > 8 else "")
     notes.append(f"root FSDP unit (gathered for the whole step, never checkpointed): {shown}: "
                  f"{root_share:.1%} of the parameters")
+    notes.append(parameter_gather_note(parameter_gather_settings(meta_model, cfg, grad_accum)))
     if dims.ep > 1:
         notes.append(f"expert parallel assumes balanced routing: a rank's experts receive tokens x top_k choices "
                      f"(activations) and each choice leaves the rank with probability {dims.ep - 1}/{dims.ep} "

@@ -1,0 +1,211 @@
+"""Reading safetensors tensors by byte range, with no memory mapping.
+
+A safetensors file is an 8-byte header length, a JSON header (per tensor: dtype, shape, and the
+byte range of its row-major data) and the data. safetensors' own `safe_open` maps the whole file:
+every page a read touches counts in the process's resident memory (what RSS-based killers
+count, not only the page cache) until the file is closed, so a rank reading its half of each
+tensor of a one-file model keeps most of the file resident. Here every read is `os.preadv`
+into memory the caller owns: the kernel's page cache holds the file, the process holds only
+its tensors.
+
+A box of a tensor (a rank's shard) is read in slabs of whole rows of at most `CHUNK_BYTES`:
+a box that spans whole rows (FSDP's and row-wise TP's dim-0 shards) is one byte range, read
+straight into the destination when dtype and layout allow; a box cut inside rows (a column
+split) reads whole rows, one slab at a time, into a scratch buffer and keeps its columns. A
+slab is cast to the destination's dtype as it is copied, so a bf16 file into an fp32 model
+never holds the bf16 tensor whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from smp.regular_files import NotReadable, open_regular
+
+# What one read holds beside its destination: a slab of whole rows (or one row, if larger).
+# Larger slabs mean fewer system calls, more memory in flight.
+CHUNK_BYTES = 16 << 20
+# safetensors' own limit on the JSON header (a larger length is a damaged or hostile file).
+HEADER_LIMIT = 100_000_000
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool, "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+
+class Damaged(Exception):
+    """Why a file cannot be read as safetensors, as a phrase (the caller names the file)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of one file: where its bytes are and what they hold."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset of its data in the file
+
+
+def read_header(path: str) -> tuple[dict[str, Entry], dict[str, str]]:
+    """({tensor name: Entry}, the header's `__metadata__`) of the safetensors file `path`, which
+    must be a regular file (a link to one is followed: the Hub's cache folders are links). The
+    header is checked as safetensors checks it: known dtypes, each tensor's byte range the size
+    its shape and dtype give, the ranges tiling the data exactly to the end of the file (a
+    truncated file fails here). Raises Damaged, or NotReadable for what is not a regular file."""
+    fd = open_regular(path, follow_links=True)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise Damaged(f"holds {size} bytes, fewer than a safetensors header length")
+        length = int.from_bytes(head, "little")
+        if length > HEADER_LIMIT or 8 + length > size:
+            raise Damaged(f"declares a {length}-byte header in a {size}-byte file")
+        raw = _pread_bytes(fd, 8, length)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise Damaged(f"has a header that is not JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise Damaged("has a header that is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise Damaged("has a __metadata__ that is not a map of strings")
+    base = 8 + length
+    entries, ranges = {}, []
+    for name, info in header.items():
+        entries[name] = _entry(path, name, info, base)
+        ranges.append((info["data_offsets"][0], info["data_offsets"][1], name))
+    end = 0
+    for begin, stop, name in sorted(ranges):
+        if begin != end:
+            raise Damaged(f"places {name!r} at byte {begin} of its data, where {end} was expected "
+                          "(the tensors' byte ranges overlap or leave a gap)")
+        end = stop
+    if base + end != size:
+        raise Damaged(f"holds {size} bytes where its header describes {base + end}; it is truncated or damaged")
+    return entries, metadata
+
+
+def _entry(path: str, name: str, info: object, base: int) -> Entry:
+    if not isinstance(info, dict):
+        raise Damaged(f"describes {name!r} by a {type(info).__name__}, not an object")
+    dtype = DTYPES.get(info.get("dtype"))
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if dtype is None:
+        raise Damaged(f"gives {name!r} the dtype {str(info.get('dtype'))[:40]!r}, which smp does not read")
+    if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+        raise Damaged(f"gives {name!r} the shape {str(shape)[:100]}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+        raise Damaged(f"gives {name!r} the byte range {str(offsets)[:100]}")
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+        raise Damaged(f"gives {name!r} {offsets[1] - offsets[0]} bytes; its shape and dtype take "
+                      f"{math.prod(shape) * dtype.itemsize}")
+    return Entry(path, dtype, tuple(shape), base + offsets[0])
+
+
+def read_box(entry: Entry, offsets: list[int], sizes: list[int], out: torch.Tensor) -> None:
+    """Copy the box of `entry`'s tensor at `offsets` with `sizes` into `out` (of shape `sizes`,
+    any dtype, device and strides: cast as copied). Reads only the rows the box crosses."""
+    if 0 in sizes:
+        return
+    try:
+        fd = open_regular(entry.file, follow_links=True)
+    except NotReadable as e:
+        raise Damaged(str(e)) from None
+    try:
+        with torch.no_grad():
+            _read(fd, entry.start, entry.shape, entry.dtype, list(offsets), list(sizes), out.detach())
+    finally:
+        os.close(fd)
+
+
+def _read(fd: int, start: int, shape: tuple[int, ...], dtype: torch.dtype, offsets: list[int],
+          sizes: list[int], out: torch.Tensor) -> None:
+    if not shape:
+        buf = torch.empty((), dtype=dtype)
+        _pread_into(fd, start, buf)
+        out.copy_(buf)
+        return
+    row = math.prod(shape[1:]) * dtype.itemsize  # bytes of one index of dim 0
+    if row > CHUNK_BYTES:  # one index of dim 0 is itself large: read it as a tensor of its own
+        for i in range(sizes[0]):
+            _read(fd, start + (offsets[0] + i) * row, shape[1:], dtype, offsets[1:], sizes[1:], out[i])
+        return
+    whole_rows = list(offsets[1:]) == [0] * (len(shape) - 1) and list(sizes[1:]) == list(shape[1:])
+    step = max(1, CHUNK_BYTES // max(row, 1))
+    for i in range(0, sizes[0], step):
+        n = min(step, sizes[0] - i)
+        target = out.narrow(0, i, n)
+        at = start + (offsets[0] + i) * row
+        if whole_rows and target.is_contiguous() and target.dtype == dtype and target.device.type == "cpu":
+            _pread_into(fd, at, target)  # straight into the destination: no copy
+            continue
+        buf = torch.empty((n, *shape[1:]), dtype=dtype)
+        _pread_into(fd, at, buf)
+        for dim in range(1, len(shape)):
+            buf = buf.narrow(dim, offsets[dim], sizes[dim])
+        target.copy_(buf)
+
+
+def _pread_into(fd: int, offset: int, t: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `t` with the file's bytes from `offset`."""
+    view = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise Damaged(f"ends at byte {offset + done}, inside a tensor; it is truncated")
+        done += n
+
+
+def _pread_bytes(fd: int, offset: int, length: int) -> bytes:
+    parts, done = [], 0
+    while done < length:
+        part = os.pread(fd, min(length - done, 1 << 24), offset + done)
+        if not part:
+            raise Damaged(f"ends at byte {offset + done}, inside its header; it is truncated")
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
+
+
+@dataclass
+class Stored:
+    """One checkpoint key of a folder: its whole shape and dtype, and the pieces of it that its
+    files hold, each with its offsets in the whole tensor (one piece at 0 in a consolidated
+    folder; DCP's unconsolidated HF saves hold pieces)."""
+
+    shape: list[int]
+    dtype: torch.dtype
+    pieces: list[tuple[Entry, list[int]]]
+
+    def read(self, offsets: list[int], sizes: list[int], out: torch.Tensor) -> None:
+        """Fill `out` (shape `sizes`) with the box at `offsets` of the whole tensor."""
+        for entry, at in self.pieces:
+            low = [max(o, a) for o, a in zip(offsets, at)]
+            high = [min(o + z, a + s) for o, z, a, s in zip(offsets, sizes, at, entry.shape)]
+            if any(h <= lo for lo, h in zip(low, high)):
+                continue
+            part = out
+            for dim, (lo, h, o) in enumerate(zip(low, high, offsets)):
+                part = part.narrow(dim, lo - o, h - lo)
+            read_box(entry, [lo - a for lo, a in zip(low, at)], [h - lo for lo, h in zip(low, high)], part)
+
+    def whole(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole tensor, cast to `dtype` slab by slab."""
+        out = torch.empty(self.shape, dtype=dtype)
+        self.read([0] * len(self.shape), list(self.shape), out)
+        return out
