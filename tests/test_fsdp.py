@@ -87,10 +87,11 @@ BF16 = {"mixed_precision": {"param_dtype": "bf16"}}
 
 
 @pytest.mark.parametrize("world,config,gathered", [
-    (1, BF16, True),  # one-rank shard group, unset: kept gathered (resharding frees only bf16 copies)
-    (1, {**BF16, "reshard_after_forward": True}, False),  # set by the user: as set
+    # one-rank shard group, unset: no FSDP units at all, the casts kept from forward to backward
+    # (tests/test_host_layout.py); set by the user: FSDP units, resharded as set
+    (1, {**BF16, "reshard_after_forward": True}, False),
     (2, BF16, False),  # sharded over two ranks: resharded after forward, the default
-], ids=["world-1", "world-1-explicit", "world-2"])
+], ids=["world-1-explicit", "world-2"])
 def test_reshard_after_forward_default_over_one_rank(ranks, world, config, gathered):
     for blocks in ranks(world).run(dist_cases.blocks_gathered_after_forward, config=config, kind="llama"):
         assert blocks and all(b == gathered for b in blocks), blocks
