@@ -122,6 +122,22 @@ def in_backward() -> bool:
     return current() != -1
 
 
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run `callback` once the backward now running has finished (call it from inside that
+    backward, e.g. a gradient hook): `Variable._execution_engine.queue_callback`, 2.9-2.14 (what
+    FSDP2 uses for its end of backward); torch has no public name for it."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
+    """`container` with `fn` applied to every tensor in it (tuples, lists, dicts, dataclasses,
+    named tuples), as FSDP2 casts a unit's inputs and outputs: `torch.distributed.utils.
+    _apply_to_tensors`, 2.9-2.14."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    return _apply_to_tensors(fn, container)
+
+
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor `t` is a view of (None when it is not a view): `Tensor._base`, 2.9-2.14."""
     return t._base
@@ -582,6 +598,49 @@ def track_dataloader(accelerator: Any, data_loader: Any) -> None:
     if not isinstance(loaders, list):
         raise unsupported("preparing data loaders sharded over the data-parallel ranks", "accelerate")
     loaders.append(data_loader)
+
+
+def track_scheduler(accelerator: Any, scheduler: Any) -> None:
+    """Register a wrapped scheduler the way `Accelerator.prepare_scheduler` does, so that
+    `save_state` / `load_state` carry its state: append to `Accelerator._schedulers`."""
+    schedulers = getattr(accelerator, "_schedulers", None)
+    if not isinstance(schedulers, list):
+        raise unsupported("preparing learning-rate schedulers for smp's data-parallel ranks", "accelerate")
+    schedulers.append(scheduler)
+
+
+def prepared_optimizers(accelerator: Any) -> list[Any]:
+    """The optimizers accelerate prepared itself (`Accelerator._optimizers`)."""
+    return list(getattr(accelerator, "_optimizers", None) or [])
+
+
+def scheduler_step_count(scheduler: Any) -> int:
+    """How often a torch LR scheduler has stepped (`LRScheduler._step_count`; accelerate reads it
+    too, to stop a OneCycleLR at its `total_steps`)."""
+    return scheduler._step_count
+
+
+def wrap_accelerator_prepare(wrapper: Callable[..., Any]) -> Callable[[], None]:
+    """Route `Accelerator.prepare` (every instance) through `wrapper(original, accelerator, *args,
+    **kwargs)`; returns the function that puts the original back. smp's session installs it at
+    `smp.init` and undoes it at `smp.shutdown` (accelerate has no hook for an outside
+    parallelism backend: its ParallelismConfig would apply its own FSDP / TP)."""
+    from accelerate import Accelerator
+
+    original = Accelerator.__dict__["prepare"]
+
+    def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return wrapper(original, self, *args, **kwargs)
+
+    prepare.__wrapped__ = original  # type: ignore[attr-defined]
+    prepare.__doc__ = original.__doc__
+    Accelerator.prepare = prepare
+
+    def undo() -> None:
+        if Accelerator.__dict__.get("prepare") is prepare:
+            Accelerator.prepare = original
+
+    return undo
 
 
 # ----------------------------------------------------------------------------------------------
