@@ -175,7 +175,8 @@ def apply_parallelism(
         apply_fsdp(
             model, shard_mesh, blocks, **dtypes, reduce_dtype=torch_dtype(mp.reduce_dtype),
             cast_forward_inputs=mp.cast_forward_inputs, reshard_after_forward=reshard,
-            cpu_offload=cfg.cpu_offload,
+            cpu_offload=cfg.cpu_offload, fixed_units=dims.pp > 1 or sync.algorithm != "default" or by_hook
+            or cfg.parameter_gather.algorithm != "default" or bool(cfg.parameter_gather.hierarchical),  # units fixed
         )
     elif dims.tp > 1:
         settle_partial_grads(model)
