@@ -28,14 +28,23 @@ from smp._compat import is_prepared, track_dataloader
 
 
 def prepare_data_loader_by_dp(
-    accelerator: Accelerator, data_loader: DataLoader, dp_rank: int, dp_size: int, device_placement: bool | None = None
+    accelerator: Accelerator, data_loader: DataLoader, dp_rank: int, dp_size: int, device_placement: bool | None = None,
+    *, peers: bool = False, slice_fn_for_dispatch: Any = None,
 ) -> DataLoader:
     """`accelerator.prepare_data_loader`, sharded over `dp_size` data-parallel ranks (this one is
-    `dp_rank`) instead of over every process."""
+    `dp_rank`) instead of over every process. `peers`: other processes (TP / CP / PP ranks) read
+    this rank's rows too (`slice_fn_for_dispatch` is accelerate's; batches are never dispatched)."""
     if is_prepared(data_loader):
         return data_loader
     if device_placement is None:
         device_placement = accelerator.device_placement
+    rng_types = list(accelerator.rng_types or [])
+    if peers and dp_size == 1 and "torch" not in rng_types:
+        # With one shard accelerate leaves the loader as it is: a shuffling sampler draws its
+        # order from the process's torch generator when iteration starts, as one process does.
+        # Peers must draw the same order: each iteration starts from rank 0's torch generator
+        # (accelerate's own synchronisation, over every process).
+        rng_types.append("torch")
     prepared = prepare_data_loader(
         data_loader,
         accelerator.device,
@@ -43,7 +52,7 @@ def prepare_data_loader_by_dp(
         process_index=dp_rank,
         split_batches=accelerator.split_batches,
         put_on_device=device_placement,
-        rng_types=list(accelerator.rng_types),
+        rng_types=rng_types,
         # Dispatching (rank 0 reads, then scatters over all processes) would split by world rank.
         dispatch_batches=False,
         even_batches=accelerator.even_batches,
@@ -63,6 +72,28 @@ def _all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor, group=group)
     return torch.cat(parts, dim=0)
+
+
+def gather_by_dp(input_data: Any, *, group: dist.ProcessGroup) -> Any:
+    """`accelerator.gather` over `group` (this rank's data-parallel ranks): tensors (nested)
+    concatenated along dim 0, in dp-rank order."""
+    return recursively_apply(functools.partial(_all_gather_rows, group=group), input_data, error_on_other_type=True)
+
+
+def reduce_by_dp(input_data: Any, reduction: str = "sum", scale: float = 1.0, *, group: dist.ProcessGroup) -> Any:
+    """`accelerator.reduce` over `group`: "sum" or "mean" over the data-parallel ranks, times `scale`."""
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        if reduction != "none":
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+            if reduction == "mean":
+                out /= dist.get_world_size(group)
+        return out * scale if scale != 1.0 else out
+
+    return recursively_apply(one, input_data, error_on_other_type=True)
 
 
 def gather_for_metrics_by_dp(
