@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Iterator
@@ -212,10 +213,14 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
             chosen_backend = "nccl" if "nccl" in chosen_backend and torch.cuda.is_available() else "gloo"
     else:
         owns = True
+        _check_launch_environment()
         world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
         chosen_backend = backend or cfg.backend or default_backend()
     # Degree checks need only the world size: fail before touching the network.
     dims = ParallelDims.from_config(cfg, world_size)
+    accelerate = _accelerate_integration()
+    if accelerate is not None:  # an Accelerator that decided "one process" is refused here
+        accelerate.check_world(world_size)
 
     local_rank = _env_int("LOCAL_RANK", 0)
     if chosen_backend == "nccl":
@@ -255,7 +260,37 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
         scope=_scope.open_session(f"session (rank {rank})"),
     )
     seed_everything(cfg.random_seed)
+    if accelerate is not None:  # the script's Accelerator(s) run on smp until shutdown
+        accelerate.start(world_size)
     return _STATE
+
+
+def _check_launch_environment() -> None:
+    """Refuse a launcher environment torch.distributed cannot join, naming the launcher's fix:
+    MASTER_ADDR without RANK / WORLD_SIZE is `accelerate launch` starting one process (its CPU
+    launcher starts several only through mpirun)."""
+    if "MASTER_ADDR" not in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return
+    missing = " and ".join(name for name in ("RANK", "WORLD_SIZE") if name not in os.environ)
+    by_accelerate = "ACCELERATE_USE_CPU" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+    launcher = ("`accelerate launch` started this process alone (on CPU it starts several processes only "
+                "through mpirun, --mpirun_hostfile)" if by_accelerate else "this process was not started by torchrun")
+    raise ConfigError(
+        f"MASTER_ADDR is set but {missing} is not: {launcher}. Launch every process with torchrun: "
+        f"`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N script.py` on CPU, `torchrun --nproc_per_node N "
+        f"script.py` or `accelerate launch --multi_gpu --num_processes N script.py` on GPUs; for one process "
+        f"unset MASTER_ADDR (docs/accelerate.md)"
+    )
+
+
+def _accelerate_integration() -> Any:
+    """smp.integrations.accelerate when the script imported accelerate, else None (smp never
+    imports accelerate itself)."""
+    if "accelerate" not in sys.modules:
+        return None
+    from smp.integrations import accelerate
+
+    return accelerate
 
 
 def shutdown() -> None:

@@ -73,6 +73,12 @@ def export_hf(
     """Write `model` (sharded or not) as a Hugging Face safetensors folder. Collective.
 
     `dtype` casts on the way out (e.g. torch.bfloat16 for a half-size release); `max_shard_bytes`
-    caps each safetensors file. Returns the folder's path.
+    caps each safetensors file. Returns the folder's path. A folder that holds other files (a
+    run's output_dir beside its step_N checkpoints) keeps them: the model files are written
+    beside them, as save_pretrained does (smp.integrations.saving).
     """
+    from smp.integrations import saving  # (imports neither transformers nor accelerate)
+
+    if saving.holds_other_files(out_dir):
+        return saving.export_hf_folder(out_dir, model, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return hf.export_hf(out_dir, model, dtype=dtype, max_shard_bytes=max_shard_bytes, dims=_dims())

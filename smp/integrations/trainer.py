@@ -307,7 +307,7 @@ class SMPTrainerMixin:
         if is_peft_model(self.model):
             save_adapter(self.model, output_dir)
         else:
-            export_hf_folder(self.model, output_dir)
+            export_hf_folder(output_dir, self.model)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
