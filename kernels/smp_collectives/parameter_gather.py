@@ -95,11 +95,11 @@ def quantized_parameter_all_gather(
     cols = input.numel()
     width = message_width(cols, block)
     send = _workspace(input.device, "parameter_gather.send", width, torch.uint8)
-    recv = _workspace(input.device, "parameter_gather.recv", n * width, torch.uint8).view(n, width)
+    recv = _workspace(input.device, "parameter_gather.recv", n * width, torch.uint8)
     encode_shard(input.reshape(-1), block, kind, send, impl=impl)
-    dist.all_gather_into_tensor(recv, send, group=group)
+    dist.all_gather_into_tensor(recv, send, group=group)  # flat: gloo checks the sizes
     counters.record(name or f"param_gather.{kind}", (n - 1) * width)
-    decode_message(recv, cols, block, kind, output, impl=impl)
+    decode_message(recv.view(n, width), cols, block, kind, output, impl=impl)
     return output
 
 

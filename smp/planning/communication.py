@@ -19,7 +19,7 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
     step, by the bandwidth-optimal formulas, for FSDP2 units as `transform` built them."""
     import smp_collectives as sc
 
-    mp, sync = config.mixed_precision, config.gradient_sync
+    mp, sync, gather = config.mixed_precision, config.gradient_sync, config.parameter_gather
     all_gather = reduce_scatter = all_reduce = 0
     for module, params in fsdp_units(model):
         is_root = module is model
@@ -32,9 +32,9 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
         p_bytes = dtype_bytes(mp.param_dtype, orig)
         g_bytes = dtype_bytes(mp.reduce_dtype, orig)
         # Forward gathers every unit; backward gathers again those resharded after forward
-        # (blocks, by config; the root never, see sharding/fsdp.py).
-        gathers = 1 + (0 if is_root or config.reshard_after_forward is False else 1)
-        all_gather += grad_accum * gathers * (n - 1) * elems // n * p_bytes
+        # (blocks, by config; the root never, see sharding/fsdp.py), over the post-forward
+        # group FSDP recorded (smaller than n: parameter_gather.hierarchical).
+        all_gather += grad_accum * _unit_gather_bytes(params, is_root, p_bytes, gather.algorithm, gather.block_size)
         if sync.algorithm in ("int8", "fp8"):  # 1-byte codes + a 4-byte scale per block
             reduce_scatter += sc.quantized_bytes(elems, n, sync.block_size)
         else:
@@ -68,6 +68,50 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
     return out
 
 
+def _unit_gather_bytes(params: list, is_root: bool, p_bytes: int, algorithm: str, block: int) -> int:
+    """`parameter_gather_bytes` of one FSDP unit as FSDP built it."""
+    n = params[0].mesh_info.shard_mesh_size
+    cols = sum(fsdp_sharded_data(fp).numel() for fp in params)
+    # Forward gathers every unit; backward gathers again those resharded after forward (blocks,
+    # by config; the root never, see sharding/fsdp.py), over the post-forward group FSDP
+    # recorded (smaller than n: parameter_gather.hierarchical).
+    post = params[0].post_forward_mesh_info
+    gathers = 1 if is_root or post is None else 2
+    node = post.shard_mesh_size if gathers == 2 and post.shard_mesh_size < n else None
+    return parameter_gather_bytes(cols, n, p_bytes, algorithm, block, gathers=gathers, node_ranks=node)
+
+
+def parameter_gather_settings(model: nn.Module, config: SMPConfig, grad_accum: int = 1) -> dict[str, int]:
+    """Parameter all-gather bytes per rank per step of `model` (transformed) with each
+    `parameter_gather.algorithm`, the layout (and hierarchical) as built."""
+    mp, block = config.mixed_precision, config.parameter_gather.block_size
+    out = {}
+    for algorithm in ("default", "int8", "fp8"):
+        total = 0
+        for module, params in fsdp_units(model):
+            p_bytes = dtype_bytes(mp.param_dtype, fsdp_sharded_data(params[0]).dtype)
+            total += _unit_gather_bytes(params, module is model, p_bytes, algorithm, block)
+        out[algorithm] = grad_accum * total
+    return out
+
+
+def parameter_gather_bytes(cols: int, n: int, p_bytes: int, algorithm: str, block: int, *, gathers: int,
+                           node_ranks: int | None = None) -> int:
+    """Bytes one rank sends per step in a unit's parameter all-gathers: `gathers` (1, or 2 when
+    resharded after forward) of its `cols`-value shard over `n` ranks, each exact ((n-1) x cols x
+    p_bytes) or, for int8 / fp8, (n-1) message rows (codes + 4-byte scales). With `node_ranks`
+    (parameter_gather.hierarchical) the backward gather is exact inside the node: (k-1) shards of
+    n/k x cols values."""
+    from smp_collectives.parameter_gather import gather_bytes
+
+    one = gather_bytes(cols, n, block) if algorithm in ("int8", "fp8") else (n - 1) * cols * p_bytes
+    if gathers == 1:
+        return one
+    if node_ranks is None:
+        return 2 * one
+    return one + (node_ranks - 1) * (n * cols // node_ranks) * p_bytes
+
+
 def _kv_dim(model: nn.Module, hidden: int) -> int:
     """Key (= value) width per token: kv heads x head dim of a HF config, else the hidden size."""
     cfg = getattr(model, "config", None)
@@ -76,3 +120,10 @@ def _kv_dim(model: nn.Module, hidden: int) -> int:
         return hidden
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     return (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+
+
+def parameter_gather_note(settings: dict[str, int]) -> str:
+    """One line of `smp plan`: the parameter all-gather bytes per step under each setting."""
+    base = settings["default"] or 1
+    shown = ", ".join(f"{k} {v / 2**20:.1f} MiB ({v / base:.2f}x)" for k, v in settings.items())
+    return f"parameter all-gather per rank per step by parameter_gather: {shown} (docs/gradient-sync.md)"
