@@ -56,7 +56,24 @@ def parts_of(model: torch.nn.Module) -> dict:
     from smp.sharding import find_blocks
     from smp.tensor_parallel.registry import Options
     from smp.tensor_parallel.rules import expand_plan
-    from smp.tensor_parallel.tp_plan import _head_name, _input_embedding_name, resolve_plan
+    from smp.tensor_parallel.tp_plan import resolve_plan
+
+    try:
+        from smp.anatomy import describe
+
+        def head() -> str | None:
+            return describe(model).head
+
+        def embedding() -> str | None:
+            return describe(model).embedding
+    except ImportError:  # the code before smp/anatomy.py, which the fixture was recorded with
+        from smp.tensor_parallel.tp_plan import _head_name, _input_embedding_name
+
+        def head() -> str | None:
+            return _head_name(model)
+
+        def embedding() -> str | None:
+            return _input_embedding_name(model)
 
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -75,8 +92,8 @@ def parts_of(model: torch.nn.Module) -> dict:
     return {
         "blocks": _outcome(lambda: [names[id(b)] for b in find_blocks(model)]),
         "pipeline": _outcome(pipeline),
-        "head": _outcome(lambda: _head_name(model)),
-        "embedding": _outcome(lambda: _input_embedding_name(model)),
+        "head": _outcome(head),
+        "embedding": _outcome(embedding),
         "tp": _outcome(lambda: tp(False)),
         "tp_sp": _outcome(lambda: tp(True)),
     }

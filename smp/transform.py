@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from smp import runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
+from smp.anatomy import describe
 from smp.compile import apply_compile
 from smp.config import ConfigError, MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
@@ -17,12 +18,10 @@ from smp.context_parallel.probe import install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.pipeline import build_pipeline
-from smp.pipeline.split import layer_modules
-from smp.sharding import apply_fsdp, find_blocks, has_meta_tensors, materialize_meta_model
+from smp.sharding import apply_fsdp, has_meta_tensors, materialize_meta_model
 from smp.sharding.delayed_init import materialize_stages
 from smp.sharding.fsdp import block_reshard_after_forward, fsdp_needed, settle_partial_grads, torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
-from smp.sharding.parameter_gather import gather_reshard_after_forward, install_parameter_gather
 from smp.tensor_parallel import apply_tensor_parallel
 
 
@@ -64,6 +63,7 @@ def transform(
     _check_router_loss(model, moe_config or cfg.moe, st.dims.pp)
     # A meta model is split first; each rank then allocates and initialises only its own
     # stages (sharded, after the recipe), or fills them from `weights`.
+    layers = describe(model).require_pipeline().layers  # before the split takes the layers apart
     init_device = torch.device("cpu") if cfg.cpu_offload else st.device
     on_meta = has_meta_tensors(model)
 
@@ -79,7 +79,7 @@ def transform(
         load_hf(weights, pipelined, device=init_device)  # each rank reads its stages' tensors only
     elif materialize and on_meta:
         materialize_stages(model, list(pipelined.stages), init_device, cfg.random_seed,
-                           stop_at=frozenset(id(m) for m in layer_modules(model)))
+                           stop_at=frozenset(id(m) for m in model.get_submodule(layers)))
         pipelined.copy_tied_values()  # the head's copy of a tied embedding was initialised as a head
     return pipelined
 
@@ -113,13 +113,15 @@ def apply_parallelism(
     on_meta = has_meta_tensors(model)
     if not on_meta:
         model.to(device)
+    # The model's parts, found once: every step below reads this picture (smp/anatomy.py).
+    anatomy = describe(model, cfg.shard_modules)
 
     # 1. Tensor parallel first: it rewrites the layers that everything after wraps.
     if dims.tp > 1:
         tp = cfg.tensor_parallel
         apply_tensor_parallel(
             model, mesh["tp"], tp_plan, config_plan=tp.plan,
-            sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel,
+            sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel, anatomy=anatomy,
         )
     # 1b. Context parallel: attention across the cp ranks' sequence chunks (wraps nothing).
     cp_probe = None
@@ -144,7 +146,7 @@ def apply_parallelism(
         model, mesh["dp"].get_group() if dims.dp > 1 else None, moe.moe_load_balancing, moe.moe_aux_loss_coeff,
         unsupported=f"context_parallel_degree={dims.cp} splits each row's tokens" if dims.cp > 1 else None,
     )
-    blocks = find_blocks(model, cfg.shard_modules)
+    blocks = anatomy.block_modules(model)
     # 2. Activation checkpointing / offloading wrap the blocks before FSDP sees them, so that
     #    recompute runs inside FSDP's unshard/reshard of each block.
     ac = cfg.activation_checkpointing
@@ -170,13 +172,10 @@ def apply_parallelism(
         reshard = block_reshard_after_forward(
             cfg.reshard_after_forward, explicit="reshard_after_forward" in cfg.model_fields_set,
             shard_ranks=dims.dp_shard * dims.cp, cpu_offload=cfg.cpu_offload)
-        # hpZ (parameter_gather.hierarchical): blocks stay sharded over the node after forward.
-        reshard = gather_reshard_after_forward(reshard, cfg.parameter_gather.hierarchical, dims.dp_shard * dims.cp)
         apply_fsdp(
             model, shard_mesh, blocks, **dtypes, reduce_dtype=torch_dtype(mp.reduce_dtype),
             cast_forward_inputs=mp.cast_forward_inputs, reshard_after_forward=reshard,
-            cpu_offload=cfg.cpu_offload, fixed_units=dims.pp > 1 or sync.algorithm != "default" or by_hook
-            or cfg.parameter_gather.algorithm != "default" or bool(cfg.parameter_gather.hierarchical),  # units fixed
+            cpu_offload=cfg.cpu_offload,
         )
     elif dims.tp > 1:
         settle_partial_grads(model)
@@ -185,10 +184,6 @@ def apply_parallelism(
         model, sync.algorithm, block_size=sync.block_size, error_feedback=sync.error_feedback,
         cross_replica=sync.cross_replica, replica_group=mesh["dp_replicate"].get_group() if by_hook else None,
     )
-    # 4b. Parameter gather: quantised (and in-node in backward) all-gathers, when configured.
-    gather = cfg.parameter_gather
-    install_parameter_gather(model, gather.algorithm, block_size=gather.block_size,
-                             hierarchical=gather.hierarchical, param_dtype=dtypes["param_dtype"])
     # 5. Last, so that its pre-forward hook runs before FSDP's root one (all-gathers): the
     #    first forward is replayed on the meta device, refusing attention smp cannot see.
     if cp_probe is not None:

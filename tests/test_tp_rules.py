@@ -179,7 +179,7 @@ def test_sequence_parallel_stays_in_the_language_model(monkeypatch):
     assigned = expand()
     assert "model.vision_tower.encoder.layers.0.mlp.fc1" in assigned
     assert on_the_stream(assigned) == [] and not assigned["model.language_model.embed_tokens"].sequence_parallel
-    monkeypatch.setattr(tp_plan, "_language_model", lambda model, embedding: ("", None))
+    monkeypatch.setattr(tp_plan, "_language_model", lambda model, embedding, decoder: ("", None))
     assigned = expand()
     assert "model.vision_tower.encoder.layers.0.layer_norm1" in on_the_stream(assigned)
     assert assigned["model.language_model.embed_tokens"].sequence_parallel

@@ -181,9 +181,10 @@ def test_block_discovery_takes_the_repeated_layer():
 def test_attention_only_units_are_caught(monkeypatch):
     """Negative control: without the promotion the attention is the unit and root_modules shows
     each vision layer's MLP and norms left in the root."""
+    from smp import anatomy
     from smp.sharding import blocks as blocks_module
 
-    monkeypatch.setattr(blocks_module, "_repeated_layers", lambda model, found: found)
+    monkeypatch.setattr(anatomy, "_repeated_layers", lambda model, found: found)
     model = _tiny_idefics3()
     found = blocks_module.find_blocks(model)
     names, share = blocks_module.root_modules(model, found)

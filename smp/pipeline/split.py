@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from smp._compat import own_children
+from smp.anatomy import Anatomy, PipelineParts, describe, is_norm
 from smp.errors import ConfigError
 
 
@@ -50,14 +51,9 @@ class StageInfo:
         return f"stage {self.index}: {', '.join(parts)}; {self.params:,} parameters, {self.flops_per_token:,} forward FLOPs/token"
 
 
-@dataclass
-class ModelParts:
-    """Where a model's pipeline-relevant parts live, by attribute path from the model."""
-
-    layers: str  # the nn.ModuleList of blocks, e.g. "model.layers"
-    first: list[str]  # modules only the first stage keeps (the embedding)
-    last: list[str]  # modules only the last stage keeps (final norm, head)
-    hf: bool  # a transformers causal LM (run through its own forward) or a plain sequential model
+# The pipeline's parts of a model (its layer list, what only the first / last stage keeps), as
+# the model's anatomy names them (smp/anatomy.py).
+ModelParts = PipelineParts
 
 
 def _get(model: nn.Module, path: str) -> Any:
@@ -74,71 +70,10 @@ def _set(model: nn.Module, path: str, value: nn.Module | None) -> None:
     own_children(owner)[name] = value  # None keeps the name registered but holds nothing
 
 
-def find_parts(model: nn.Module) -> ModelParts:
+def find_parts(model: nn.Module, anatomy: Anatomy | None = None) -> ModelParts:
     """The layer list and the first- / last-stage modules of `model`, or ConfigError saying why
-    smp cannot split it."""
-    config = getattr(model, "config", None)
-    pp_plan = getattr(config, "base_model_pp_plan", None)
-    base = getattr(model, "base_model", None)
-    if isinstance(base, nn.Module) and base is not model and not pp_plan:
-        pp_plan = _inferred_pp_plan(base)
-    if pp_plan and isinstance(base, nn.Module) and base is not model:
-        prefix = next(name for name, m in model.named_children() if m is base)
-        keys = list(pp_plan)
-        if "layers" not in keys:
-            raise ConfigError(f"{type(model).__name__}'s base_model_pp_plan has no 'layers' entry ({keys}); smp cannot split it")
-        at = keys.index("layers")
-        head = model.get_output_embeddings()
-        head_name = next((n for n, m in model.named_children() if m is head), None)
-        if head_name is None:
-            raise ConfigError(f"{type(model).__name__} has no output embedding (LM head) among its children; smp splits causal LMs")
-        parts = ModelParts(
-            layers=f"{prefix}.layers",
-            first=[f"{prefix}.{k}" for k in keys[:at]],
-            last=[f"{prefix}.{k}" for k in keys[at + 1:]] + [head_name],
-            hf=True,
-        )
-        placed = {prefix, head_name} | {p.split(".", 1)[1] for p in parts.first + parts.last if p.startswith(prefix + ".")}
-        stray = [f"{prefix}.{n}" for n, m in base.named_children() if n not in placed and n != "layers" and _has_params(m)]
-        stray += [n for n, m in model.named_children() if n not in placed and _has_params(m)]
-        if stray:
-            raise ConfigError(
-                f"{type(model).__name__} holds parameters outside its base_model_pp_plan ({', '.join(stray)}): smp "
-                f"does not know which pipeline stage they belong to; pipeline_parallel_degree: 1 for this model"
-            )
-        return parts
-    children = list(model.named_children())
-    lists = [i for i, (_, m) in enumerate(children) if isinstance(m, nn.ModuleList)]
-    if len(lists) != 1:
-        raise ConfigError(
-            f"smp splits a transformers causal LM (one with a base_model_pp_plan) or a plain model whose "
-            f"children are [modules before], one nn.ModuleList of blocks, [modules after]; "
-            f"{type(model).__name__} has {len(lists)} nn.ModuleList children"
-        )
-    at = lists[0]
-    return ModelParts(
-        layers=children[at][0], first=[n for n, _ in children[:at]], last=[n for n, _ in children[at + 1:]], hf=False
-    )
-
-
-def _inferred_pp_plan(base: nn.Module) -> list[str] | None:
-    """The base_model_pp_plan a transformers model without one would have, read off its
-    children: what holds parameters before its one `layers` ModuleList (the embedding), the list,
-    and after it what holds parameters or is named a norm (the final norm). A guess only in
-    where it cuts: check_layer_chain then proves the forward is that chain, or refuses; modules
-    with parameters it leaves out are refused in find_parts. None: no `layers` list."""
-    children = list(base.named_children())
-    names = [n for n, _ in children]
-    if "layers" not in names or not isinstance(base.layers, nn.ModuleList):
-        return None
-    at = names.index("layers")
-    before = [n for n, m in children[:at] if _has_params(m)]
-    after = [n for n, m in children[at + 1:] if _has_params(m) or "norm" in n.lower()]
-    return before + ["layers"] + after
-
-
-def _has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
+    smp cannot split it. `anatomy`: the picture already taken of `model` (smp/anatomy.py)."""
+    return (anatomy or describe(model)).require_pipeline()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,12 +159,8 @@ def _cost(module: nn.Module | None) -> tuple[int, int]:
         return 0, 0
     params = sum(p.numel() for p in module.parameters())
     lookups = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Embedding))
-    norms = sum(p.numel() for m in module.modules() if _is_norm(m) for p in m.parameters(recurse=False))
+    norms = sum(p.numel() for m in module.modules() if is_norm(m) for p in m.parameters(recurse=False))
     return params, 2 * (params - lookups - norms)
-
-
-def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("RMSNorm")
 
 
 def plan_split(model: nn.Module, num_stages: int, split: str | Sequence[int] = "auto") -> list[StageInfo]:

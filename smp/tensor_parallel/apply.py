@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from smp._compat import check_sequence_parallel
+from smp.anatomy import Anatomy
 from smp.errors import ConfigError, PlanError
 from smp.tensor_parallel import registry as reg
 from smp.tensor_parallel.loss import use_vocab_parallel_loss
@@ -33,6 +34,7 @@ def apply_tensor_parallel(
     config_plan: dict[str, str] | None = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    anatomy: Anatomy | None = None,
 ) -> nn.Module:
     """Split `model`'s layers over `tp_mesh` by its plan: tp_plan.py says where it comes from and
     what it names, rules.py what it implies, registry.py which ParallelStyle each name builds.
@@ -45,10 +47,10 @@ def apply_tensor_parallel(
     if sequence_parallel:
         check_sequence_parallel()  # before any change to the model: refused on torch < 2.11
     tp = tp_mesh.size()
-    resolved = resolve_plan(model, plan, config_plan)
+    resolved = resolve_plan(model, plan, config_plan, anatomy)
     check_head_counts(model, tp)
     opts = Options(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    expanded = expand_plan(model, resolved, opts)
+    expanded = expand_plan(model, resolved, opts, anatomy=anatomy)
     divide_region_attrs(expanded.regions, _split_widths(expanded), _head_counts(model), tp)
 
     ties = _tied_parameters(model)

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from smp.anatomy import Anatomy, is_norm
 from smp.errors import ConfigError, PlanError
 from smp.tensor_parallel import registry as reg
 from smp.tensor_parallel.registry import Options
@@ -25,10 +26,6 @@ Rule = Callable[[Matched, Options], list[Assignment]]
 
 
 # --- what the rules read off modules ---------------------------------------------------------
-
-def is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-
 
 def is_inline(region: nn.Module, width: int | None) -> bool:
     """A region that also holds the residual stream's norms (attention and MLP computed inline in
@@ -483,9 +480,10 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def expand_plan(model: nn.Module, plan: TPPlan, opts: Options, rules: tuple[Rule, ...] = RULES) -> Matched:
+def expand_plan(model: nn.Module, plan: TPPlan, opts: Options, rules: tuple[Rule, ...] = RULES,
+                anatomy: Anatomy | None = None) -> Matched:
     """`plan`'s assignments in `model` (tp_plan.match), then what each rule adds, in order."""
-    m = match(model, plan)
+    m = match(model, plan, anatomy)
     for rule in rules:
         m.assignments += rule(m, opts)
     return m

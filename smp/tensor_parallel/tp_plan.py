@@ -20,6 +20,7 @@ from torch import nn
 
 from smp import plans
 from smp._compat import model_tp_plan
+from smp.anatomy import Anatomy, describe
 from smp.errors import ConfigError
 from smp.tensor_parallel import registry as reg
 from smp.tensor_parallel.registry import Assignment, StyleSpec
@@ -137,32 +138,10 @@ class Matched:
             self.sp_entry is not None and name == self.embedding)
 
 
-def _name_of(model: nn.Module, module: nn.Module | None) -> str | None:
-    return next((name for name, m in model.named_modules() if m is module), None) if module is not None else None
-
-
-def _head_name(model: nn.Module) -> str | None:
-    get = getattr(model, "get_output_embeddings", None)
-    return _name_of(model, get() if callable(get) else None)
-
-
-def _input_embedding_name(model: nn.Module) -> str | None:
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        emb = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        emb = None
-    return _name_of(model, emb)
-
-
-def _language_model(model: nn.Module, embedding: str | None) -> tuple[str, str | None]:
-    """(sp_scope, sp_entry) of `Matched`: the decoder transformers names (`get_decoder()`) when
-    it holds the input embedding, and whether the base model wraps it (a multimodal model)."""
-    get = getattr(model, "get_decoder", None)
-    try:
-        decoder = _name_of(model, get() if callable(get) else None)
-    except (NotImplementedError, AttributeError):
-        decoder = None
+def _language_model(model: nn.Module, embedding: str | None, decoder: str | None) -> tuple[str, str | None]:
+    """(sp_scope, sp_entry) of `Matched`: the decoder transformers names (`get_decoder()`, the
+    anatomy's `decoder`) when it holds the input embedding, and whether the base model wraps it
+    (a multimodal model)."""
     if not decoder or not embedding or not embedding.startswith(decoder + "."):
         return "", None
     base = plans.base_prefix(model)
@@ -170,9 +149,9 @@ def _language_model(model: nn.Module, embedding: str | None) -> tuple[str, str |
     return decoder, decoder if wrapped else None
 
 
-def _smp_table(model: nn.Module) -> dict[str, StyleSpec]:
+def _smp_table(model: nn.Module, anatomy: Anatomy) -> dict[str, StyleSpec]:
     entries: dict[str, StyleSpec] = dict(plans.table_plan(model, SMP_TABLES))
-    head = _head_name(model) if entries else None
+    head = anatomy.head if entries else None
     if head:
         entries[head] = HEAD_STYLE
     return entries
@@ -192,15 +171,17 @@ def _complete_with_nested_tables(model: nn.Module, plan: TPPlan) -> None:
         plan.source += f" + smp's table for {sub} (model_type '{plans.model_type(model.get_submodule(sub))}')"
 
 
-def resolve_plan(model: nn.Module, user_plan: dict[str, StyleSpec] | None, config_plan: dict[str, str] | None) -> TPPlan:
-    """The plan to use for `model`, by the precedence in the module docstring."""
+def resolve_plan(model: nn.Module, user_plan: dict[str, StyleSpec] | None, config_plan: dict[str, str] | None,
+                 anatomy: Anatomy | None = None) -> TPPlan:
+    """The plan to use for `model`, by the precedence in the module docstring. `anatomy`: the
+    picture already taken of `model` (smp/anatomy.py), read for its head."""
     model_type = plans.model_type(model)
     found = plans.first_plan([
         TPPlan("tp_plan argument of smp.transform", dict(user_plan or {}), strict=True),
         TPPlan("tensor_parallel.plan in the config", dict(config_plan or {}), strict=True),
         TPPlan(f"{type(model).__name__}'s own transformers plan",
                plans.own_plan(model, "base_model_tp_plan", composed=model_tp_plan(model))),
-        TPPlan(f"smp's table for model_type '{model_type}'", _smp_table(model)),
+        TPPlan(f"smp's table for model_type '{model_type}'", _smp_table(model, anatomy or describe(model))),
     ])
     if found is not None and not found.strict:
         _complete_with_nested_tables(model, found)
@@ -327,16 +308,18 @@ def in_width(module: nn.Module) -> int | None:
     return getattr(module, "in_features", None)
 
 
-def match(model: nn.Module, plan: TPPlan) -> Matched:
+def match(model: nn.Module, plan: TPPlan, anatomy: Anatomy | None = None) -> Matched:
     """What `plan` names in `model`, checked, with one assignment per named module (in plan
-    order) and the regions those open. Raises ConfigError naming the entry and the fix."""
+    order) and the regions those open. Raises ConfigError naming the entry and the fix.
+    `anatomy`: the picture already taken of `model` (its head, embedding and decoder)."""
+    anatomy = anatomy or describe(model)
     modules = dict(model.named_modules())
     entries, param_styles = _match_entries(plan, modules, [n for n, _ in model.named_parameters()])
-    head = _head_name(model)
+    head = anatomy.head
     if head is None:  # a user model: its head is the entry styled "lm_head", if any
         head = next((n for n, (_, s) in entries.items() if s == reg.LM_HEAD), None)
-    m = Matched(model, plan.source, modules, entries, param_styles, head, _input_embedding_name(model))
-    m.sp_scope, m.sp_entry = _language_model(model, m.embedding)
+    m = Matched(model, plan.source, modules, entries, param_styles, head, anatomy.embedding)
+    m.sp_scope, m.sp_entry = _language_model(model, m.embedding, anatomy.decoder)
     _check_local_params(m)
     _check_param_owners(m)
     m.moe_blocks = {n.rpartition(".")[0]: modules[n.rpartition(".")[0]] for n in m.styled_as(reg.MOE_EXPERTS)}
