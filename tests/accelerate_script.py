@@ -18,6 +18,7 @@ import os
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather as gather_over_every_process
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator, get_scheduler
@@ -38,6 +39,12 @@ def rows(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     base = torch.randint(0, VOCAB // 4, (n, SEQ), generator=g)
     ids = (base + torch.arange(SEQ)) % VOCAB  # a little structure to learn
     return [{"input_ids": r, "labels": r.clone()} for r in ids]
+
+
+def local_grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The norm of the gradients this process holds (its shards only, under FSDP / TP)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.stack([(g.to_local() if hasattr(g, "to_local") else g).float().norm() for g in grads]).norm()
 
 
 def parse() -> argparse.Namespace:
@@ -93,6 +100,7 @@ def main() -> None:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
+            local = local_grad_norm(model) if accelerator.sync_gradients else None  # (negative control)
             norm = accelerator.clip_grad_norm_(model.parameters(), 1.0) if accelerator.sync_gradients else None
             optimizer.step()
             scheduler.step()
@@ -101,24 +109,27 @@ def main() -> None:
         if accelerator.sync_gradients:
             completed += 1
             log.append({"step": completed, "loss": float(step_loss), "grad_norm": float(norm),
-                        "lr": scheduler.get_last_lr()[0]})
+                        "local_grad_norm": float(local), "lr": scheduler.get_last_lr()[0]})
             if args.checkpointing_steps and completed % args.checkpointing_steps == 0:
                 accelerator.save_state(os.path.join(args.out, f"step_{completed}"))
         if completed >= args.steps:
             break
 
     model.eval()
-    losses = []
+    losses, every_process_rows = [], 0
     for batch in evaluation:
         with torch.no_grad():
             loss = model(**batch).loss
-        losses.append(accelerator.gather_for_metrics(loss.repeat(batch["input_ids"].shape[0])))
+        per_row = loss.repeat(batch["input_ids"].shape[0])
+        every_process_rows += gather_over_every_process(per_row).numel()  # (negative control)
+        losses.append(accelerator.gather_for_metrics(per_row))
     losses = torch.cat(losses)
     probe = rows(3, 3)
     with torch.no_grad():
         probe_loss = float(model(input_ids=torch.stack([r["input_ids"] for r in probe]),
                                  labels=torch.stack([r["labels"] for r in probe])).loss)
-    log.append({"eval_loss": float(losses.mean()), "eval_rows": int(losses.numel()), "probe_loss": probe_loss})
+    log.append({"eval_loss": float(losses.mean()), "eval_rows": int(losses.numel()),
+                "every_process_rows": every_process_rows, "probe_loss": probe_loss})
 
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
