@@ -6,7 +6,7 @@ from smp.errors import CheckpointError, ConfigError, Error, SMPWarning
 from smp.reliability import NonFiniteGradientError, PeerFailure, check_finite_grads, step_guard
 from smp.runtime import init, is_initialized, session, shutdown, state
 from smp.sharding.gradient_sync import gradient_sync_bytes  # bytes sent per rank (smp_collectives)
-from smp.training import clip_grad_norm_, no_sync
+from smp.training import clip_grad_norm_, evaluate, no_sync, step  # step: one training step, any layout
 from smp.transform import transform
 
 from smp._version import __version__
@@ -22,6 +22,7 @@ __all__ = [
     "check_finite_grads",
     "checkpointing",
     "clip_grad_norm_",
+    "evaluate",
     "gradient_sync_bytes",
     "init",
     "init_context",
@@ -31,6 +32,7 @@ __all__ = [
     "session",
     "shutdown",
     "state",
+    "step",
     "step_guard",
     "transform",
 ]

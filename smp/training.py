@@ -1,19 +1,30 @@
-"""Training-loop helpers that must know about sharding: gradient clipping and accumulation."""
+"""Training-loop helpers that must know about sharding: one training step for every layout
+(`smp.step` / `smp.evaluate`), gradient clipping and accumulation."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
-from contextlib import contextmanager
-from typing import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from smp import runtime
+from smp.context_parallel import sharding as context_parallel_sharding
+from smp.context_parallel.attention import active as active_context_parallel
+from smp.context_parallel.hf import is_hf_model
+from smp.errors import UsageError
 from smp.mesh import device_type_for
+from smp.pipeline import schedule as pipeline_schedule
+from smp.pipeline.schedule import PipelinedModel
+from smp.tensor_parallel import loss_parallel
 
 
 @torch.no_grad()
@@ -107,3 +118,143 @@ def all_reduce_mean(value: float | torch.Tensor, group: dist.ProcessGroup | None
         dist.all_reduce(t, group=group)
         t /= dist.get_world_size(group)
     return float(t)
+
+
+# ----------------------------------------------------------------------------------------------
+# One training step for every layout (docs/training-step.md)
+
+IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
+
+
+def step(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None,
+         accumulate: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward of `batch` on the model smp.transform returned, whatever its layout
+    (FSDP, tensor / sequence / loss parallel, context parallel, expert parallel, pipeline
+    parallel and their compositions). Returns the global batch's loss on every rank (detached);
+    the gradients are in place (of `scale` x that loss). Call `optimizer.step()` after it.
+
+    `batch`: this rank's data-parallel rows, whole (`input_ids`, `labels` unshifted as
+    transformers takes them, default input_ids; optional `attention_mask`, `position_ids`, any
+    other input of the model). Every tp, cp and pipeline rank of a data-parallel group passes the
+    same rows: context parallel cuts them here, the pipeline splits them into micro-batches.
+
+    The default loss is the next-token cross-entropy averaged over every non-ignored target of
+    the global batch (all data-parallel ranks, labels of -100 ignored): the one-process model's
+    `.loss` on the whole batch. `loss_fn(outputs, batch)` replaces it: its value on each rank's
+    rows (each micro-batch's under pipeline parallelism) is averaged over them.
+    `accumulate=True`: more steps follow before `optimizer.step()`; the gradient sync waits
+    (smp.no_sync), the gradients add up.
+    """
+    if scale <= 0:
+        raise UsageError(f"smp.step: scale must be positive, got {scale}")
+    with no_sync(model) if accumulate else nullcontext():
+        if isinstance(model, PipelinedModel):
+            return model.run(batch, train=True, loss_fn=loss_fn, scale=scale, caller="smp.step")
+        return _whole_model_step(model, batch, loss_fn, scale, train=True, caller="smp.step")
+
+
+def evaluate(model: nn.Module, batch: Mapping[str, Any], *,
+             loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None) -> torch.Tensor:
+    """`smp.step`'s forward-only twin: the global batch's loss on every rank, gradients
+    untouched. Put the model in eval mode first when its forward has dropout."""
+    with torch.no_grad():
+        if isinstance(model, PipelinedModel):
+            return model.run(batch, train=False, loss_fn=loss_fn, caller="smp.evaluate")
+        return _whole_model_step(model, batch, loss_fn, 1.0, train=False, caller="smp.evaluate")
+
+
+def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], loss_fn: Callable | None, scale: float,
+                      train: bool, caller: str) -> torch.Tensor:
+    """A model every rank runs whole (FSDP, TP, CP, EP): this rank's share of the global loss,
+    weighed so that the gradient mean FSDP takes over the data ranks is the global one."""
+    state = runtime.current()
+    dp_group = state.dp_mesh.get_group() if state.dims.dp > 1 else None
+    cp = active_context_parallel()
+    cp = None if cp is None or cp.size == 1 else cp
+    data_ranks = state.dims.dp * (1 if cp is None else cp.size)  # the ranks FSDP averages gradients over
+    _check_auxiliary_loss(model, data_ranks, caller)
+    inputs = _with_labels(batch, caller)
+    # The global batch's target count, summed over the data-parallel ranks (cp ranks hold the same rows).
+    targets = pipeline_schedule.global_target_count(inputs["labels"], dp_group, state.device)
+    # Each rank's loss is its summed token losses over count / data_ranks: their mean is the global mean.
+    share = targets.clamp(min=1.0).float() / data_ranks
+    if cp is not None:  # this rank's chunks of each row, labels shifted over the whole row first
+        inputs = context_parallel_sharding.shard_batch(inputs, cp_size=cp.size, cp_rank=cp.rank,
+                                                       load_balance=cp.load_balance)
+    # transformers' name for the count a summed loss divides by: the model's own loss, and a
+    # loss_fn that divides its sum by it, weigh every target of the global batch alike.
+    inputs["num_items_in_batch"] = share
+    outputs = model(**inputs) if is_hf_model(model) else _call_plain(model, inputs, caller)
+    with loss_parallel():  # vocab-sharded logits (tensor_parallel.loss_parallel): loss and backward inside
+        if loss_fn is not None:
+            loss = loss_fn(outputs, inputs)
+        elif is_hf_model(model):
+            loss = outputs.loss
+        else:
+            loss = _summed_token_loss(outputs, inputs) / share
+        if train:
+            (loss * scale).backward()
+    total = loss.detach().float()
+    # A loss over vocab-sharded logits is a replicated DTensor: its value is on every tp rank.
+    total = (total.full_tensor() if isinstance(total, DTensor) else total).clone()
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+    if cp is not None:
+        dist.all_reduce(total, group=cp.group)
+    return total / data_ranks
+
+
+def _with_labels(batch: Mapping[str, Any], caller: str) -> dict[str, Any]:
+    """The batch with `labels`: input_ids (padding of an attention_mask ignored) when it has none."""
+    inputs = dict(batch)
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise UsageError(f"{caller}: the batch needs input_ids, a [batch, seq] tensor of token ids")
+    if inputs.get("labels") is None:
+        mask = inputs.get("attention_mask")
+        inputs["labels"] = ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
+    if inputs["labels"].shape != ids.shape:
+        raise UsageError(f"{caller}: labels {tuple(inputs['labels'].shape)} must have input_ids' shape {tuple(ids.shape)} "
+                         f"(unshifted: smp shifts them, as transformers' causal LMs do)")
+    return inputs
+
+
+def _check_auxiliary_loss(model: nn.Module, data_ranks: int, caller: str) -> None:
+    """A mixture-of-experts load-balancing loss is a function of the routing of every token of
+    the batch: the mean of its per-rank values is not the one-process value."""
+    config = getattr(model, "config", None)
+    if data_ranks > 1 and getattr(config, "output_router_logits", False):
+        raise UsageError(
+            f"{caller}: {type(model).__name__} adds the experts' load-balancing loss (config.output_router_logits=True), "
+            f"computed over each rank's tokens, which over {data_ranks} data-parallel ranks is not the whole batch's; "
+            f"set model.config.output_router_logits = False, or compute it yourself in a loss_fn"
+        )
+
+
+def _call_plain(model: nn.Module, inputs: Mapping[str, Any], caller: str) -> Any:
+    """A model that is not a transformers model, called with the inputs its forward names
+    (the labels are smp's to score)."""
+    params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    loss_only = ("labels", "shift_labels", "num_items_in_batch")
+    kwargs = {k: v for k, v in inputs.items() if k not in loss_only and (takes_any or k in params)}
+    dropped = sorted(set(inputs) - set(kwargs) - set(loss_only))
+    if dropped:
+        raise UsageError(
+            f"{caller}: {type(model).__name__}.forward takes no {dropped}, which the batch holds; leave them out of "
+            f"the batch, or pass a loss_fn and a forward that takes them"
+        )
+    return model(**kwargs)
+
+
+def _summed_token_loss(outputs: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The summed next-token cross-entropy of a model's logits (a tensor, or `.logits`)."""
+    logits = outputs if isinstance(outputs, torch.Tensor) else outputs.logits
+    if "shift_labels" in inputs:  # context parallel: already shifted over the whole row
+        shifted, targets = logits, inputs["shift_labels"]
+    else:
+        shifted, targets = logits[:, :-1], inputs["labels"][:, 1:]
+    total = F.cross_entropy(shifted.flatten(0, 1).float(), targets.flatten().to(shifted.device),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    # Under loss_parallel() the sum over vocab-sharded logits is a replicated DTensor.
+    return total.full_tensor() if isinstance(total, DTensor) else total

@@ -177,8 +177,9 @@ def all_gathers_per_step(config: dict, steps: int = 2) -> dict:
 
 
 def call_errors(config: dict, path: str) -> list[str]:
-    """What a pipelined model answers when used wrong: called like the whole model, a batch the
-    micro-batches do not divide, a state_dict loaded into it (checkpoints go through smp.checkpointing)."""
+    """What a pipelined model answers when used wrong: called like the whole model without labels,
+    a batch the micro-batches do not divide (padded: no error), a state_dict loaded into it
+    (checkpoints go through smp.checkpointing)."""
     with smp.session(config):
         torch.manual_seed(0)
         model = smp.transform(tiny_model("llama"))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -39,14 +40,53 @@ SCHEDULE_CLASSES = {
 IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
 
 
+@dataclass
+class PipelineOutput:
+    """What calling a pipelined model returns (`outputs.loss`: the global batch's loss, on every
+    rank), and what a `loss_fn(outputs, batch)` sees on the last stage (`outputs.logits`: one
+    micro-batch's)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    def __getitem__(self, key: str) -> Any:  # outputs["loss"], as transformers' outputs allow
+        return getattr(self, key)
+
+
+@dataclass
+class MicroBatchLoss:
+    """The loss the last stage computes on each micro-batch during one run. `scale` makes the
+    micro-batches' losses add up to this rank's share of the global batch's loss: the gradients
+    FSDP then averages over the data-parallel ranks are those of the global mean."""
+
+    scale: float
+    preshifted: bool = False  # context parallel: the labels arrive shifted over the whole row
+    loss_fn: Callable | None = None  # the user's loss_fn(outputs, batch), its batch {"labels": ...}
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is not None:
+            loss = self.loss_fn(PipelineOutput(logits=logits), {"labels": labels})
+        elif self.preshifted:  # position t of this rank's chunks predicts labels[t]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        else:  # next-token cross-entropy, summed (the scale divides by the global target count)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss * self.scale
+
+
 class PipelinedModel(nn.Module):
     """The stages of a model this rank holds (one, or several under virtual-stage schedules).
 
     Its parameters carry the whole model's names (`model.layers.5.mlp.up_proj.weight`): the
     stages hold disjoint slices, so `named_parameters` / `state_dict` are this rank's slice of the
-    model's. Build the optimizer from `parameters()`. Train with `smp.pipeline.step(model,
-    input_ids, labels)`; calling it like a module is an error (a pipeline stage cannot run the
-    whole model).
+    model's. Build the optimizer from `parameters()`. Train with `smp.step(model, batch)`, or
+    call it like the whole model: `model(**batch)` with grad enabled runs the whole step (forward
+    and backward of every micro-batch) and returns `.loss`, whose `.backward()` does nothing
+    more; under `torch.no_grad()` it evaluates (docs/training-step.md).
+
+    The model owns its schedules (one per batch shape, built on first use) and the loss
+    its last stage computes, which `run` sets for the length of one step.
     """
 
     def __init__(self, stages: list[nn.Module], infos: list[StageInfo], split: list[StageInfo],
@@ -60,11 +100,9 @@ class PipelinedModel(nn.Module):
         self.pp_group = pp_group
         self.dp_group = dp_group  # the ranks holding other rows of the batch (None: this rank holds them all)
         self.device = device
-        self._schedule: Any = None
-        self._loss_fn: Callable | None = None
-        self._scale = 1.0  # set per step: 1 / (what the micro-batch losses are normalised by)
         self.tied: list[TiedGroup] = []  # tied tensors whose copies' gradients the step sums (smp.pipeline.tied)
-        self._preshifted = False  # set per step: the targets arrive shifted over the whole row (context parallel)
+        self._schedules: dict[tuple[int, ...], Any] = {}  # torch's schedule per (micro-batches, rows, seq)
+        self._micro_loss: MicroBatchLoss | None = None  # the running step's loss; set by run() only
 
     # --- names of the whole model -------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -116,29 +154,110 @@ class PipelinedModel(nn.Module):
                 f"model as it is (docs/pipeline-parallel.md)"
             ) from None
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise UsageError(
-            "a pipelined model (pipeline_parallel_degree > 1) holds only this rank's stages and cannot be "
-            "called like the whole model: run a training step with smp.pipeline.step(model, input_ids, labels)"
-        )
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                **inputs: Any) -> PipelineOutput:
+        """`model(**batch)` as a training loop written for the whole model calls it. With grad
+        enabled: the whole training step (forward and backward of every micro-batch, as
+        `smp.step`); the returned `.loss` is the global batch's mean on every rank, and its
+        `.backward()` does nothing (the gradients are already in place). Under
+        `torch.no_grad()`: the evaluation loss. A pipeline stage cannot hand back the whole
+        model's logits, so the batch must carry `labels`."""
+        if labels is None:
+            raise UsageError(
+                "a pipelined model (pipeline_parallel_degree > 1) called like the whole model needs labels: it runs "
+                "the whole step over its stages and returns only the loss (no stage holds the whole model's "
+                "logits); call model(input_ids=..., labels=...), or smp.step(model, batch)"
+            )
+        batch = {"input_ids": input_ids, "labels": labels, **inputs}
+        if not torch.is_grad_enabled():
+            return PipelineOutput(loss=self.run(batch, train=False, caller="model(**batch) under no_grad"))
+        loss = self.run(batch, train=True, caller="model(**batch)")
+        return PipelineOutput(loss=_GradientsInPlace.apply(torch.zeros((), requires_grad=True), loss))
 
     def describe_split(self) -> str:
         return "\n".join(s.describe() for s in self.split)
 
     # --- the step ------------------------------------------------------------------------------
-    def _stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self._preshifted:  # context parallel: position t of this rank's chunks predicts labels[t]
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum",
+    def run(self, batch: Mapping[str, Any], *, train: bool, loss_fn: Callable | None = None,
+            scale: float = 1.0, caller: str = "smp.step") -> torch.Tensor:
+        """One step over every micro-batch of `batch` (this rank's data-parallel rows, the same
+        on every pipeline rank): forward and backward when `train`, forward only otherwise.
+        Returns the global batch's loss on every rank; the gradients are those of `scale` x it.
+
+        A batch whose rows do not split into the micro-batches is padded with rows whose
+        labels are all ignored (they add nothing to the loss or the gradients)."""
+        input_ids, labels, mask = pipeline_batch(batch, caller)
+        pp = dist.get_world_size(self.pp_group)
+        microbatches = self.pipe.microbatches or pp * len(self.stages)
+        rows = input_ids.shape[0]
+        padded_rows = -(-rows // microbatches) * microbatches
+        if padded_rows != rows and loss_fn is not None:
+            raise UsageError(
+                f"{caller}: a batch of {rows} rows does not split into pipeline.microbatches={microbatches}, and "
+                f"with a loss_fn smp cannot pad it (your loss_fn would see rows that do not exist); pass a multiple "
+                f"of {microbatches} rows, or leave loss_fn out (padding rows then carry only ignored labels)"
             )
-        elif self._loss_fn is None:  # next-token cross-entropy summed, over the batch's target count
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                ignore_index=IGNORE_INDEX, reduction="sum",
-            )
-        else:
-            loss = self._loss_fn(logits, labels)
-        return loss * self._scale
+        try:
+            check_pipeline(self.pipe, pp, batch_size=padded_rows)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        cp = _context_parallel(self, loss_fn, input_ids.shape[1], caller)  # refusals, before any collective
+        cp_size = 1 if cp is None else cp.size
+        dp = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        if loss_fn is None:
+            # Divide by the target count of the whole batch (every micro-batch, every data-parallel
+            # rank): ranks whose rows hold fewer targets (padding) weigh less, as in one process.
+            # FSDP averages the data-parallel ranks' gradients, hence the factor dp (and cp: FSDP
+            # averages over dp_shard x cp, each cp rank holding part of each row; the count is of
+            # the whole rows, which every cp rank holds here).
+            targets = global_target_count(labels, self.dp_group, self.device)
+            micro_loss = MicroBatchLoss(scale * dp * cp_size / max(float(targets), 1.0), preshifted=cp is not None)
+        else:  # the mean of loss_fn's micro-batch values (the batch mean when they weigh the same)
+            micro_loss = MicroBatchLoss(scale / microbatches, loss_fn=loss_fn)
+        input_ids, labels, mask = _pad_rows(input_ids, labels, mask, padded_rows)
+        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+        stage_inputs: dict[str, torch.Tensor] = {}
+        if cp is not None:
+            # Each row cut once for this cp rank; every stage gets the chunks' global positions and
+            # key padding mask (the schedule hands keyword inputs to every stage, split into
+            # micro-batches like the ids).
+            mask = None if mask is None else mask.to(self.device)
+            input_ids, labels, stage_inputs = _rows_for_cp_rank(input_ids, labels, mask, cp)
+        losses: list[torch.Tensor] = []
+        # torch's stages size their receive buffers on their first step: one schedule per shape.
+        shape = (microbatches, *input_ids.shape)
+        schedule = self._schedules.get(shape)
+        if schedule is None:
+            schedule = self._schedules[shape] = self._build_schedule(microbatches)
+        self._micro_loss = micro_loss
+        try:
+            if train:
+                before = set_aside(self.tied, list(self.stages))
+                schedule.step(input_ids, target=labels, losses=losses, **stage_inputs)
+                # A tied tensor (embedding and head) has a copy on two stages: each copy gets the sum.
+                sum_tied_grads(self.tied, list(self.stages), self.pp_group, before)
+            else:
+                with torch.no_grad():
+                    schedule.eval(input_ids, target=labels, losses=losses, **stage_inputs)
+        finally:
+            self._micro_loss = None
+        total = (torch.stack([loss.detach().float() for loss in losses]).sum() if losses
+                 else torch.zeros((), device=self.device))
+        # Only the rank holding the last stage has the losses: a sum over the pipeline gives it to
+        # all, then the mean over the data-parallel ranks (each rank's share already weighed by dp).
+        dist.all_reduce(total, group=self.pp_group)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= dp
+        if cp is not None:  # likewise over the cp ranks, each holding part of every row
+            dist.all_reduce(total, group=cp.group)
+            total /= cp_size
+        return total / scale
+
+    def _loss_of_microbatch(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self._micro_loss is None:  # planning builds schedules it never steps
+            raise UsageError("a pipelined model's schedule runs only inside smp.step / smp.evaluate")
+        return self._micro_loss(logits, labels)
 
     def _build_schedule(self, microbatches: int) -> Any:
         pp = dist.get_world_size(self.pp_group)
@@ -151,13 +270,42 @@ class PipelinedModel(nn.Module):
         # scale_grads=False: the loss is already divided so that the micro-batches sum to the
         # whole batch's loss (torch's default divides by the micro-batch count, which equals the
         # batch mean only when every micro-batch holds as many targets).
+        loss = self._loss_of_microbatch
         if self.pipe.schedule in SINGLE_STAGE_SCHEDULES:
-            return cls(torch_stages[0], n_microbatches=microbatches, loss_fn=self._stage_loss, scale_grads=False)
-        return cls(torch_stages, n_microbatches=microbatches, loss_fn=self._stage_loss, scale_grads=False)
+            return cls(torch_stages[0], n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
+        return cls(torch_stages, n_microbatches=microbatches, loss_fn=loss, scale_grads=False)
 
     def _holds_last(self) -> bool:
         return any(info.last for info in self.stage_infos)
 
+
+class _GradientsInPlace(torch.autograd.Function):
+    """The loss `model(**batch)` returns: its value is the step's, its backward adds nothing (the
+    step already ran every micro-batch's backward). A second backward, or one reached through
+    arithmetic that scales it (`loss / accumulation_steps`), would mean gradients the step did
+    not compute: refused."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx.used = False
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        if ctx.used:
+            raise UsageError(
+                "backward() was called twice on the loss of a pipelined model's model(**batch): its gradients "
+                "were computed once, during the call; call model(**batch) again for another step"
+            )
+        ctx.used = True
+        if not torch.equal(grad, torch.ones_like(grad)):
+            raise UsageError(
+                f"the loss of a pipelined model's model(**batch) reached backward() with weight {float(grad):g}, "
+                f"not 1 (scaled, e.g. loss / gradient_accumulation_steps, or combined with another term): its "
+                f"gradients were computed at weight 1 during the call. Call loss.backward() on it as returned; "
+                f"for accumulation use smp.step(model, batch, scale=1 / steps, accumulate=True)"
+            )
+        return None, None
 
 def build_pipeline(
     model: nn.Module, pipe: PipelineConfig, pp_group: dist.ProcessGroup, device: torch.device,
@@ -182,99 +330,95 @@ def build_pipeline(
     return pipelined
 
 
+def global_target_count(labels: torch.Tensor, dp_group: dist.ProcessGroup | None,
+                        device: torch.device) -> torch.Tensor:
+    """The next-token targets (labels not -100 after the first position) of the rows every rank
+    of `dp_group` holds, summed: what the global batch's mean loss divides by (float64)."""
+    targets = (labels[:, 1:] != IGNORE_INDEX).sum().to(device, torch.float64)
+    if dp_group is not None:
+        dist.all_reduce(targets, group=dp_group)
+    return targets
+
+
 def step(model: PipelinedModel, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
          attention_mask: torch.Tensor | None = None,
          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """One training step (forward and backward of every micro-batch) on every rank of the
-    pipeline; returns the whole batch's loss on every rank. Call `optimizer.step()` after it.
-
-    `input_ids` and `labels` ([batch, seq]; labels default to input_ids) are this rank's
-    data-parallel rows, the same on every pipeline rank. By default the loss is the next-token
-    cross-entropy averaged over every target of the global batch (labels equal to -100 are
-    ignored; the target count is summed over the micro-batches and the data-parallel ranks),
-    exactly what `model(input_ids, attention_mask=..., labels=labels).loss` gives on the whole
-    model and the whole batch. `attention_mask` ([batch, seq], 1 = token, 0 = padding) must pad
-    on the right; its padding becomes labels of -100. A `loss_fn(logits, labels)` returning the
-    mean over its micro-batch is averaged over the micro-batches (the batch mean when every
-    micro-batch weighs the same).
-
-    Under context parallel the rows are still whole (the same on every pipeline and cp rank):
-    they are cut here for this cp rank, each stage gets the chunks' global position ids, and the
-    labels are shifted over the whole row before the cut (docs/pipeline-parallel.md).
-    """
-    labels, microbatches = checked_batch(model, "smp.pipeline.step", input_ids, labels, attention_mask)
-    cp = _context_parallel(model, loss_fn, input_ids.shape[1])  # refuses what it cannot carry, before any collective
-    cp_size = 1 if cp is None else cp.size
-    if model._schedule is None or model._loss_fn is not loss_fn:
-        model._loss_fn = loss_fn
-        model._schedule = model._build_schedule(microbatches)
-    dp = 1 if model.dp_group is None else dist.get_world_size(model.dp_group)
-    if loss_fn is None:
-        # Divide by the target count of the whole batch (every micro-batch, every data-parallel
-        # rank): ranks whose rows hold fewer targets (padding) weigh less, as in one process.
-        # FSDP averages the data-parallel ranks' gradients, hence the factor dp (and cp: under
-        # context parallel FSDP averages over dp_shard x cp, each cp rank holding part of each
-        # row; the count is of the whole rows, which every cp rank holds here).
-        targets = (labels[:, 1:] != IGNORE_INDEX).sum().to(model.device, torch.float64)
-        if model.dp_group is not None:
-            dist.all_reduce(targets, group=model.dp_group)
-        model._scale = dp * cp_size / max(float(targets), 1.0)
-    else:
-        model._scale = 1.0 / microbatches
-    input_ids, labels = input_ids.to(model.device), labels.to(model.device)
-    stage_inputs: dict[str, torch.Tensor] = {}
-    model._preshifted = cp is not None
-    if cp is not None:
-        # Each row cut once for this cp rank; every stage gets the chunks' global positions and
-        # key padding mask (the schedule hands keyword inputs to every stage, split into
-        # micro-batches like the ids).
-        mask = None if attention_mask is None else attention_mask.to(model.device)
-        input_ids, labels, stage_inputs = _rows_for_cp_rank(input_ids, labels, mask, cp)
-    losses: list[torch.Tensor] = []
-    before = set_aside(model.tied, list(model.stages))
-    model._schedule.step(input_ids, target=labels, losses=losses, **stage_inputs)
-    # A tied tensor (embedding and head) has a copy on two stages: each copy gets the sum.
-    sum_tied_grads(model.tied, list(model.stages), model.pp_group, before)
-    total = torch.stack([loss.detach().float() for loss in losses]).sum() if losses else torch.zeros((), device=model.device)
-    # Only the rank holding the last stage has the losses: a sum over the pipeline gives it to all,
-    # then the mean over the data-parallel ranks (each rank's share already weighed by dp).
-    dist.all_reduce(total, group=model.pp_group)
-    if model.dp_group is not None:
-        dist.all_reduce(total, group=model.dp_group)
-        total /= dp
-    if cp is not None:  # likewise over the cp ranks, each holding part of every row
-        dist.all_reduce(total, group=cp.group)
-        total /= cp_size
-    return total
+    """Kept for one release: `smp.step(model, {"input_ids": ..., "labels": ...})` runs it.
+    A `loss_fn(logits, labels)` here is a `loss_fn(outputs, batch)` there."""
+    _check_pipelined(model, "smp.pipeline.step")
+    batch = _legacy_batch(input_ids, labels, attention_mask)
+    new_fn = None if loss_fn is None else (lambda outputs, mb: loss_fn(outputs.logits, mb["labels"]))
+    return model.run(batch, train=True, loss_fn=new_fn, caller="smp.pipeline.step")
 
 
-def checked_batch(model: nn.Module, caller: str, input_ids: torch.Tensor, labels: torch.Tensor | None,
-                  attention_mask: torch.Tensor | None, elsewhere: str = "") -> tuple[torch.Tensor, int]:
-    """The labels `caller` (smp.pipeline.step / evaluate) scores (input_ids when none are given;
-    padding made -100) and the micro-batch count, after the checks on the model and the batch
-    that run before any collective. `elsewhere`: what to do with a model that is not pipelined."""
+def _legacy_batch(input_ids: torch.Tensor, labels: torch.Tensor | None,
+                  attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    batch = {"input_ids": input_ids}
+    if labels is not None:
+        batch["labels"] = labels
+    if attention_mask is not None:
+        batch["attention_mask"] = attention_mask
+    return batch
+
+
+def _check_pipelined(model: nn.Module, caller: str, elsewhere: str = "") -> None:
     if not isinstance(model, PipelinedModel):
         raise UsageError(
             f"{caller} expects the model smp.transform returned with pipeline_parallel_degree > 1, "
             f"got {type(model).__name__}{elsewhere}"
         )
+
+
+PIPELINE_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def pipeline_batch(batch: Mapping[str, Any], caller: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ids, the labels (input_ids when none are given; padding made -100) and the right
+    padding mask of a batch a pipelined model can run exactly, after the checks that run before
+    any collective."""
+    unknown = sorted(k for k, v in batch.items() if k not in PIPELINE_INPUTS and v is not None)
+    if unknown:
+        raise UsageError(
+            f"{caller}: a pipelined model takes input_ids, labels, attention_mask and position_ids; the batch also "
+            f"holds {unknown}, which smp has no rule to hand to the stages; leave them out of the batch"
+        )
+    input_ids, labels, attention_mask = batch.get("input_ids"), batch.get("labels"), batch.get("attention_mask")
+    if not isinstance(input_ids, torch.Tensor):
+        raise UsageError(f"{caller}: the batch needs input_ids, a [batch, seq] tensor of token ids")
+    positions = batch.get("position_ids")
+    if positions is not None and not torch.equal(
+            positions.to(input_ids.device), torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)):
+        raise UsageError(
+            f"{caller}: position_ids other than 0, 1, 2, ... along each row (packed sequences) are not built for a "
+            f"pipelined model: its stages number the tokens of each row from 0; leave position_ids out"
+        )
     labels = input_ids if labels is None and attention_mask is None else labels
     if attention_mask is not None:
-        labels = _padding_ignored(input_ids, labels, attention_mask)
+        labels = _padding_ignored(input_ids, labels, attention_mask, caller)
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise UsageError(
             f"{caller} takes input_ids and labels of one shape [batch, seq]; got "
             f"{tuple(input_ids.shape)} and {tuple(labels.shape)}"
         )
-    pp = dist.get_world_size(model.pp_group)
-    try:
-        check_pipeline(model.pipe, pp, batch_size=input_ids.shape[0])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return labels, model.pipe.microbatches or pp * len(model.stages)
+    return input_ids, labels, attention_mask
 
 
-def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: int) -> ContextParallelSetup | None:
+def _pad_rows(input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None,
+              rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch with rows appended up to `rows`: token 0, every label ignored, the mask all ones
+    (a row that attends like any other, whose loss and gradients are zero)."""
+    extra = rows - input_ids.shape[0]
+    if extra == 0:
+        return input_ids, labels, mask
+    input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, input_ids.shape[1])])
+    labels = torch.cat([labels, labels.new_full((extra, labels.shape[1]), IGNORE_INDEX)])
+    if mask is not None:
+        mask = torch.cat([mask, mask.new_ones(extra, mask.shape[1])])
+    return input_ids, labels, mask
+
+
+def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: int,
+                      caller: str) -> ContextParallelSetup | None:
     """The context parallel setup the stages attend under (None: context_parallel_degree 1),
     after refusing what the step cannot make exact under it."""
     setup = active_context_parallel()
@@ -295,8 +439,8 @@ def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: 
         )
     if loss_fn is not None:
         raise UsageError(
-            f"smp.pipeline.step: loss_fn with context_parallel_degree={setup.size} is not supported: the last "
-            f"stage holds only this rank's chunks of each row, so a loss_fn(logits, labels) cannot shift labels "
+            f"{caller}: loss_fn with context_parallel_degree={setup.size} is not supported: the last "
+            f"stage holds only this rank's chunks of each row, so a loss_fn cannot shift labels "
             f"over the whole row; leave loss_fn out (the next-token cross-entropy over the whole rows)"
         )
     check_sequence_length(seq_len, setup.size, setup.load_balance)
@@ -322,19 +466,19 @@ def _rows_for_cp_rank(input_ids: torch.Tensor, labels: torch.Tensor, attention_m
 
 
 def _padding_ignored(input_ids: torch.Tensor, labels: torch.Tensor | None,
-                     attention_mask: torch.Tensor) -> torch.Tensor:
+                     attention_mask: torch.Tensor, caller: str) -> torch.Tensor:
     """`labels` (default: input_ids) with the padding of a right-padded `attention_mask` set to
     -100. Stages run causal attention over whole rows: for a token followed only by padding that
     equals the masked attention, so the loss is exact; left padding (or holes) is refused."""
     if attention_mask.shape != input_ids.shape:
         raise UsageError(
-            f"smp.pipeline.step: attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
+            f"{caller}: attention_mask {tuple(attention_mask.shape)} must have input_ids' shape "
             f"{tuple(input_ids.shape)}"
         )
     mask = attention_mask.to(torch.bool)
     if (mask[:, 1:] & ~mask[:, :-1]).any():
         raise UsageError(
-            "smp.pipeline.step takes right-padded rows only (attention_mask 1 ... 1 0 ... 0): pipeline "
+            f"{caller} takes right-padded rows only (attention_mask 1 ... 1 0 ... 0): pipeline "
             "stages run causal attention over the whole row, which equals the masked attention only "
             "for tokens that no padding precedes; pad on the right (tokenizer.padding_side = 'right')"
         )
@@ -343,7 +487,7 @@ def _padding_ignored(input_ids: torch.Tensor, labels: torch.Tensor | None,
     # A target predicted from a padding position would need the mask: refuse it.
     if (~mask[:, :-1] & (labels[:, 1:] != IGNORE_INDEX)).any():
         raise UsageError(
-            "smp.pipeline.step: labels at padding positions (attention_mask 0) must be -100: the "
+            f"{caller}: labels at padding positions (attention_mask 0) must be -100: the "
             "stages do not mask attention, so a loss on padding would differ from the masked model's"
         )
     return labels

@@ -1,0 +1,91 @@
+"""`smp.step` / `smp.evaluate`: one training loop for every layout, each equal to one process.
+
+The loop (tests/step_cases.equivalence) is the same for every config: this rank's data-parallel
+rows of a right-padded global batch (the data-parallel ranks and micro-batches hold different
+target counts) -> smp.step -> SGD, and smp.evaluate on held-out rows; the tiny Llama (2 layers,
+hidden 64, GQA) or Mixtral (4 experts) vs the same loop in one process.
+
+Tolerances (fp32): 1e-5 on every rank's loss, on every gradient and on the evaluation loss.
+Negative controls: each rank's loss normalised by its own rows' target count (FSDP 2, EP 2),
+rows cut for context parallel without the load-balanced layout (CP 2), the rows that pad a
+ragged pipeline batch keeping their targets (PP 2); each caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import step_cases as cases
+
+TOL = 1e-5
+FSDP2 = {}
+TP2_SP = {"tensor_parallel_degree": 2, "tensor_parallel": {"sequence_parallel": True, "loss_parallel": True}}
+CP2 = {"context_parallel_degree": 2}
+PP2 = {"pipeline_parallel_degree": 2, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+EP2 = {"expert_parallel_degree": 2}
+PP2_TP2 = {**PP2, "tensor_parallel_degree": 2}
+PP2_CP2 = {**PP2, "context_parallel_degree": 2}
+
+
+def _assert_matches(reports: list[dict]) -> None:
+    for report in reports:
+        assert report["loss_diff"] < TOL and report["grad_diff"] < TOL and report["eval_diff"] < TOL, report
+    assert reports[0]["losses"][-1] < reports[0]["losses"][0]  # it trains
+
+
+@pytest.mark.parametrize("config", [FSDP2, TP2_SP, CP2, PP2], ids=["fsdp2", "tp2-sp-loss_parallel", "cp2", "pp2"])
+def test_one_loop_matches_one_process(ranks, config):
+    _assert_matches(ranks(2).run(cases.equivalence, config=config))
+
+
+def test_a_plain_module_matches_one_process(ranks):
+    """A user's nn.Module (logits out): smp.step scores its logits itself."""
+    _assert_matches(ranks(2).run(cases.equivalence, config=FSDP2, kind="plain"))
+
+
+@pytest.mark.slow
+def test_expert_parallel_matches_one_process(ranks):
+    _assert_matches(ranks(2).run(cases.equivalence, config=EP2, kind="mixtral"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [PP2_TP2, PP2_CP2], ids=["pp2xtp2", "pp2xcp2"])
+def test_pipeline_compositions_match_one_process(ranks, config):
+    _assert_matches(ranks(4).run(cases.equivalence, config=config))
+
+
+@pytest.mark.parametrize("config, broken", [
+    (FSDP2, "per_rank_count"), (CP2, "cut_without_load_balance"),
+], ids=["fsdp2-per-rank-count", "cp2-unbalanced-cut"])
+def test_negative_controls_are_caught(ranks, config, broken):
+    reports = ranks(2).run(cases.equivalence, config=config, broken=broken, steps=1)
+    assert max(r["grad_diff"] for r in reports) > 100 * TOL, reports
+
+
+@pytest.mark.slow
+def test_expert_parallel_negative_control_is_caught(ranks):
+    reports = ranks(2).run(cases.equivalence, config=EP2, kind="mixtral", broken="per_rank_count", steps=1)
+    assert max(r["grad_diff"] for r in reports) > 100 * TOL, reports
+
+
+@pytest.mark.parametrize("config", [FSDP2, PP2], ids=["fsdp2", "pp2"])
+def test_accumulation(ranks, config):
+    for report in ranks(2).run(cases.accumulation, config=config):
+        assert report["grad_diff"] < TOL and report["no_sync_grad_diff"] < TOL, report
+
+
+def test_pipelined_model_called_like_the_whole_model(ranks):
+    """model(**batch) + loss.backward() and no_grad evaluation, as an accelerate loop does."""
+    for report in ranks(2).run(cases.pipelined_call, config=PP2):
+        assert report["loss_diff"] < TOL and report["grad_diff"] < TOL and report["eval_diff"] < TOL, report
+        assert report["ragged_diff"] < TOL, report
+        errors = report["errors"]
+        assert errors["no_labels"].startswith("UsageError") and "needs labels" in errors["no_labels"], errors
+        assert errors["twice"].startswith("UsageError") and "called twice" in errors["twice"], errors
+        assert errors["scaled"].startswith("UsageError") and "weight 0.5" in errors["scaled"], errors
+
+
+def test_ragged_pipeline_batch_padding_is_checked(ranks):
+    """Negative control: padding rows that keep their targets change the loss."""
+    reports = ranks(2).run(cases.ragged_eval, config=PP2, broken="pad_with_targets")
+    assert min(r["ragged_diff"] for r in reports) > 100 * TOL, reports
