@@ -14,8 +14,14 @@ balance, bytes moved and step time, on a Llama-shaped model (fp32, CPU gloo rank
    smp.context_parallel.cost.bytes_per_step, for ring and allgather.
 5. Step time (forward + backward + SGD, smp.transform with FSDP) at world 2: cp = 2 vs cp = 1
    (FSDP 2) at equal tokens per step (2 sequences of --seq tokens), ring and allgather.
+6. Ulysses vs ring at cp = 2 and 4 (4 key/value heads, so that cp 4 splits them): bytes each
+   rank sends per step, counted at the collectives (Ulysses: its forward all-to-alls, each
+   mirrored in backward by autograd, and its all-gather) vs cost.bytes_per_step, and step time
+   (world = cp, one sequence of --seq tokens), in the same run.
 
-Writes bench/results/context_parallel.json.
+    python bench/bench_context_parallel.py --only ulysses   # section 6 alone
+
+Writes bench/results/context_parallel.json (section 6 alone: context_parallel_ulysses.json).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import smp
-from smp.context_parallel import allgather, apply_context_parallel, cost, ring, shard_batch
+from smp.context_parallel import allgather, apply_context_parallel, cost, ring, shard_batch, ulysses
 from smp.testing.models import tiny_llama_config
 from smp.testing.rank_pool import RankPool
 
@@ -146,6 +152,80 @@ def bytes_moved(cp: int, seq: int, algorithm: str) -> dict:
         return {"measured": sent[0], "formula": formula}
 
 
+ULYSSES_MODEL = {**MODEL, "num_key_value_heads": 4}
+
+
+def ulysses_vs_ring(cp: int, seq: int, algorithm: str, steps: int) -> dict:
+    """Bytes this rank sends in one forward + backward (counted at the collectives) vs the
+    formula, and the median step time, for `algorithm` at context_parallel_degree = world = cp."""
+    from transformers import LlamaForCausalLM
+
+    config = {"context_parallel_degree": cp, "context_parallel": {"algorithm": algorithm}}
+    with smp.session(config):
+        torch.manual_seed(0)
+        model = smp.transform(LlamaForCausalLM(tiny_llama_config(**ULYSSES_MODEL)))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, MODEL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(2))
+        batch = shard_batch(ids)
+        sent = [0]
+        saved = ring._exchange, allgather._gather, allgather.dist.reduce_scatter_tensor, ulysses.all_to_all_autograd
+        real_gather_tokens = ulysses.dist.all_gather_into_tensor
+
+        def exchange(buffer, *args):
+            sent[0] += buffer.numel() * buffer.element_size()
+            return saved[0](buffer, *args)
+
+        def gather(buffer, group, size):
+            sent[0] += (size - 1) * buffer.numel() * buffer.element_size()
+            return saved[1](buffer, group, size)
+
+        def reduce_scatter(out, inp, group=None, **kw):
+            sent[0] += (inp.numel() - out.numel()) * inp.element_size()
+            return saved[2](out, inp, group=group, **kw)
+
+        def all_to_all(t, out_splits, in_splits, group):  # forward; autograd sends as much back
+            sent[0] += 2 * t.numel() * t.element_size() * (len(in_splits) - 1) // len(in_splits)
+            return saved[3](t, out_splits, in_splits, group)
+
+        def gather_tokens(out, inp, group=None, **kw):
+            sent[0] += (cp - 1) * inp.numel() * inp.element_size()
+            return real_gather_tokens(out, inp, group=group, **kw)
+
+        ring._exchange, allgather._gather, allgather.dist.reduce_scatter_tensor, ulysses.all_to_all_autograd = (
+            exchange, gather, reduce_scatter, all_to_all)
+        ulysses.dist.all_gather_into_tensor = gather_tokens
+        try:
+            model(**batch).loss.backward()
+        finally:
+            ring._exchange, allgather._gather, allgather.dist.reduce_scatter_tensor, ulysses.all_to_all_autograd = saved
+            ulysses.dist.all_gather_into_tensor = real_gather_tokens
+        opt.zero_grad()
+        head_dim = MODEL["hidden_size"] // MODEL["num_attention_heads"]
+        formula = cost.bytes_per_step(algorithm, cp, 1, seq, ULYSSES_MODEL["num_key_value_heads"] * head_dim,
+                                      MODEL["num_hidden_layers"], q_dim=MODEL["hidden_size"])
+        times = []
+        for _ in range(steps + 1):  # the first step warms up
+            t0 = time.perf_counter()
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        return {"measured": sent[0], "formula": formula, "median_s": statistics.median(times[1:])}
+
+
+def ulysses_section(pools: dict, seq: int, steps: int) -> dict:
+    out = {}
+    for cp in (2, 4):
+        for algorithm in ("ring", "ulysses"):
+            per_rank = pools[cp].run(ulysses_vs_ring, cp=cp, seq=seq, algorithm=algorithm, steps=steps, timeout=1200)
+            out[f"cp{cp}_{algorithm}"] = {"measured_per_rank": [r["measured"] for r in per_rank],
+                                          "formula": per_rank[0]["formula"],
+                                          "median_step_s": max(r["median_s"] for r in per_rank)}
+    print(json.dumps({"ulysses_vs_ring": out}), flush=True)
+    return out
+
+
 def step_time(config: dict, seq: int, steps: int) -> dict:
     """Median step seconds at 2 sequences of `seq` tokens per step over the world."""
     with smp.session(config):
@@ -171,10 +251,24 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--budget-mib", type=float, default=64.0)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--out", default="bench/results/context_parallel.json")
+    p.add_argument("--out", default=None)
+    p.add_argument("--only", choices=["ulysses"], default=None, help="run section 6 alone")
     args = p.parse_args()
-    result: dict = {"model": MODEL, "seq": args.seq, "command": "python bench/bench_context_parallel.py "
-                    f"--seq {args.seq} --budget-mib {args.budget_mib} --steps {args.steps}"}
+    command = (f"python bench/bench_context_parallel.py --seq {args.seq} --budget-mib {args.budget_mib} "
+               f"--steps {args.steps}")
+    if args.only == "ulysses":
+        pools = {w: RankPool(w) for w in (2, 4)}
+        try:
+            result = {"model": ULYSSES_MODEL, "seq": args.seq, "command": command + " --only ulysses",
+                      "ulysses_vs_ring": ulysses_section(pools, args.seq, args.steps)}
+        finally:
+            for pool in pools.values():
+                pool.close()
+        out = Path(args.out or "bench/results/context_parallel_ulysses.json")
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
+    result: dict = {"model": MODEL, "seq": args.seq, "command": command}
     pools = {w: RankPool(w) for w in (1, 2, 4)}
     try:
         # 1 + 2. Activation bytes per rank, and the longest sequence in the budget.
@@ -236,12 +330,16 @@ def main() -> None:
             times[name]["vs_cp1"] = times[name]["median_s"] / times["cp1_fsdp2"]["median_s"]
         result["step_time_w2"] = times
         print(json.dumps({"step_time_w2": times}), flush=True)
+
+        # 6. Ulysses vs ring.
+        result["ulysses_vs_ring"] = ulysses_section(pools, args.seq, args.steps)
     finally:
         for pool in pools.values():
             pool.close()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = Path(args.out or "bench/results/context_parallel.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -169,7 +169,9 @@ class ContextParallelConfig(_Strict):
     # ring: K/V blocks travel around the cp ring, one step per rank, overlapped with the
     # attention of the block in hand (K/V memory 2/cp of the sequence). allgather: one all-gather
     # of K/V, then attention (the whole sequence's K/V on every rank; fewer, larger messages).
-    algorithm: Literal["ring", "allgather"] = "ring"
+    # ulysses: all-to-all over heads, each rank attends heads/cp of the heads over the whole
+    # sequence (bytes per rank flat in cp; heads and key/value heads must divide by cp x tp).
+    algorithm: Literal["ring", "allgather", "ulysses"] = "ring"
     # Causal attention: split each sequence into 2 x cp chunks, rank i gets chunks i and
     # 2cp-1-i, so every rank does the same attention work (else rank cp-1 does ~2cp-1 times
     # rank 0's). Needs a sequence length divisible by 2 x cp.

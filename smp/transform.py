@@ -127,7 +127,7 @@ def apply_parallelism(
     cp_probe = None
     if dims.cp > 1:
         cp = cfg.context_parallel
-        cp_probe = apply_context_parallel(model, mesh["cp"], cp.algorithm, cp.load_balance)
+        cp_probe = apply_context_parallel(model, mesh["cp"], cp.algorithm, cp.load_balance, tp=dims.tp)
     # 1c. Expert parallel before checkpointing and FSDP wrap the blocks: experts split over "ep",
     #     each experts module its own FSDP unit over the data-parallel ranks left (torchtitan's order).
     moe = moe_config or cfg.moe

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import smp
 import smp.context_parallel as cp
-from smp.context_parallel import allgather, ring, sharding
+from smp.context_parallel import allgather, ring, sharding, ulysses
 from smp.testing.distributed import full_tensor, local_rows, world_mean
 from smp.testing.models import random_batch, tiny_llama
 
@@ -87,9 +87,11 @@ class UserModel(nn.Module):
 
 
 def build(kind: str) -> nn.Module:
-    """Tiny models, dropout 0. Every HF kind is GQA (4 heads / 2 key-value heads)."""
+    """Tiny models, dropout 0. Every HF kind but llama_mha is GQA (4 heads / 2 key-value heads)."""
     if kind == "llama":
         return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
+    if kind == "llama_mha":  # 4 key-value heads: Ulysses splits them over cp 2 x tp 2
+        return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_key_value_heads=4)
     if kind == "qwen2":  # sliding window 5 on every layer: windows cross the chunk boundaries
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -149,11 +151,12 @@ def reference_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 @contextlib.contextmanager
 def _corrupted(kind: str | None) -> Iterator[None]:
     """Mutations the comparison must catch: `drop_lse` merges partial outputs without their
-    log-sum-exp weights; `skip_step` drops every key/value block but the rank's own."""
+    log-sum-exp weights; `skip_step` drops every key/value block but the rank's own;
+    `wrong_head_order`: Ulysses puts the head groups back in reverse rank order."""
     if kind is None:
         yield
         return
-    saved = ring.merge, allgather.merge, ring.block_forward, allgather.block_forward
+    saved = ring.merge, allgather.merge, ring.block_forward, allgather.block_forward, ulysses.heads_home
     if kind == "drop_lse":
         def bad_merge(out, lse, part_out, part_lse):
             return out + part_out, torch.logaddexp(lse, part_lse)
@@ -167,12 +170,18 @@ def _corrupted(kind: str | None) -> Iterator[None]:
                 return torch.zeros_like(out), torch.full_like(lse, float("-inf"))
             return out, lse
         ring.block_forward = allgather.block_forward = bad_block
+    elif kind == "wrong_head_order":
+        home = ulysses.heads_home
+
+        def reversed_home(parts, group, size):
+            return torch.cat(home(parts, group, size).chunk(size, dim=1)[::-1], dim=1)
+        ulysses.heads_home = reversed_home
     else:
         raise ValueError(kind)
     try:
         yield
     finally:
-        ring.merge, allgather.merge, ring.block_forward, allgather.block_forward = saved
+        ring.merge, allgather.merge, ring.block_forward, allgather.block_forward, ulysses.heads_home = saved
 
 
 def equivalence(config: dict, kind: str, steps: int = 2, padding: bool = False,
@@ -373,6 +382,8 @@ def _bad_model(kind: str) -> nn.Module:
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, attn_logit_softcapping=50.0,
         ))
+    if kind == "llama":  # fine for ring / allgather; Ulysses refuses its 2 key/value heads at cp 4 or cp 2 x tp 2
+        return build("llama")
     if kind == "attention_dropout":
         return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, attention_dropout=0.1)
     raise ValueError(kind)

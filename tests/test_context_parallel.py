@@ -27,6 +27,8 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-5
 CP2 = {"context_parallel_degree": 2}
 CP2_UNBALANCED = {"context_parallel_degree": 2, "context_parallel": {"load_balance": False}}
 CP2_ALLGATHER = {"context_parallel_degree": 2, "context_parallel": {"algorithm": "allgather"}}
+CP2_ULYSSES = {"context_parallel_degree": 2, "context_parallel": {"algorithm": "ulysses"}}
+CP2_ULYSSES_UNBALANCED = {"context_parallel_degree": 2, "context_parallel": {"algorithm": "ulysses", "load_balance": False}}
 
 
 def _check(reports: list[dict], cp_size: int = 2) -> None:
@@ -54,6 +56,11 @@ MATRIX = [
     (2, CP2_UNBALANCED, "user", False),
     (4, CP2, "llama", True),
     (4, CP2_UNBALANCED, "user", True),
+    (2, CP2_ULYSSES, "llama", True),
+    (2, CP2_ULYSSES, "qwen2", True),
+    (2, CP2_ULYSSES_UNBALANCED, "mistral", False),
+    (2, CP2_ULYSSES, "user", True),
+    (4, CP2_ULYSSES, "llama", True),
 ]
 
 
@@ -90,6 +97,29 @@ def test_with_tensor_parallel(ranks):
     """cp 2 x tp 2 (sequence parallel) at world 4."""
     config = {**CP2, "tensor_parallel_degree": 2, "tensor_parallel": {"sequence_parallel": True}}
     _check(ranks(4).run(context_parallel_cases.equivalence, config=config, kind="llama", padding=True, timeout=300))
+
+
+def test_ulysses_with_tensor_parallel(ranks):
+    """Ulysses cp 2 x tp 2 (sequence parallel) at world 4: 4 key/value heads, 1 per rank."""
+    config = {**CP2_ULYSSES, "tensor_parallel_degree": 2, "tensor_parallel": {"sequence_parallel": True}}
+    _check(ranks(4).run(context_parallel_cases.equivalence, config=config, kind="llama_mha", padding=True, timeout=300))
+
+
+@pytest.mark.parametrize("world,config,expected", [
+    (4, {**CP2_ULYSSES, "tensor_parallel_degree": 2},
+     "2 key/value heads do not divide by context_parallel_degree x tensor_parallel_degree = 2 x 2"),
+    (4, {"context_parallel_degree": 4, "context_parallel": {"algorithm": "ulysses"}},
+     "2 key/value heads do not divide by context_parallel_degree = 4"),
+])
+def test_ulysses_refuses_heads_that_do_not_split(ranks, world, config, expected):
+    for message in ranks(world).run(context_parallel_cases.transform_error, config=config, kind="llama"):
+        assert message.startswith("ConfigError") and expected in message, message
+
+
+def test_ulysses_wrong_head_order_is_caught(ranks):
+    """Negative control: the output's head groups put back in reverse rank order."""
+    reports = ranks(2).run(context_parallel_cases.equivalence, config=CP2_ULYSSES, kind="llama", corrupt="wrong_head_order")
+    assert max(max(r["loss_diff"], r["grad_diff"]) for r in reports) > 1e-3
 
 
 @pytest.mark.parametrize("kind", ["llama", "user"])
@@ -191,8 +221,8 @@ def test_probe_that_cannot_run_falls_back_to_the_runtime_check(ranks):
 
 @pytest.mark.parametrize(
     "world,config,shape",
-    [(2, CP2, (1, 1, 2, 1)), (4, CP2, (1, 2, 2, 1)), (8, {**CP2, "tensor_parallel_degree": 2}, (1, 2, 2, 2)),
-     (8, {**CP2, "hybrid_shard_degree": 4}, (2, 2, 2, 1)), (8, {"context_parallel_degree": 4}, (1, 2, 4, 1))],
+    [(2, CP2, (1, 1, 1, 1, 2, 1)), (4, CP2, (1, 1, 2, 1, 2, 1)), (8, {**CP2, "tensor_parallel_degree": 2}, (1, 1, 2, 1, 2, 2)),
+     (8, {**CP2, "hybrid_shard_degree": 4}, (1, 2, 2, 1, 2, 1)), (8, {"context_parallel_degree": 4}, (1, 1, 2, 1, 4, 1))],
 )
 def test_parallel_dims(world, config, shape):
     dims = ParallelDims.from_config(load_config(config), world)

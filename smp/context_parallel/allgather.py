@@ -28,7 +28,7 @@ def _gather(buffer: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                group: dist.ProcessGroup, segments: list[Segments], causal: bool,
+                q_docs: torch.Tensor, group: dist.ProcessGroup, segments: list[Segments], causal: bool,
                 window: int | None, scale: float) -> torch.Tensor:
         """Same arguments and result as `RingAttention.forward`."""
         size, rank = len(segments), dist.get_rank(group)
@@ -37,17 +37,17 @@ class AllGatherAttention(torch.autograd.Function):
         for source in range(size):
             k_blk, v_blk, keep_blk = unpack(blocks[source], [k, v, keep])
             part_out, part_lse = block_forward(
-                q, k_blk, v_blk, keep_blk.bool(), segments[rank], segments[source],
-                causal=causal, window=window, scale=scale,
+                q, k_blk, v_blk, keep_blk, segments[rank], segments[source],
+                q_docs=q_docs, causal=causal, window=window, scale=scale,
             )
             out, lse = (part_out, part_lse) if out is None else merge(out, lse, part_out, part_lse)
-        ctx.save_for_backward(q, k, v, keep, out, lse)
+        ctx.save_for_backward(q, k, v, keep, q_docs, out, lse)
         ctx.group, ctx.segments, ctx.causal, ctx.window, ctx.scale = group, segments, causal, window, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, keep, out, lse = ctx.saved_tensors
+        q, k, v, keep, q_docs, out, lse = ctx.saved_tensors
         group, segments = ctx.group, ctx.segments
         size, rank = len(segments), dist.get_rank(group)
         grad_out = grad_out.float()
@@ -58,18 +58,18 @@ class AllGatherAttention(torch.autograd.Function):
         for source in range(size):
             k_blk, v_blk, keep_blk = unpack(blocks[source], [k, v, keep])
             dq_part, dk_part, dv_part = block_backward(
-                q, k_blk, v_blk, keep_blk.bool(), out, lse, grad_out, delta,
-                segments[rank], segments[source], causal=ctx.causal, window=ctx.window, scale=ctx.scale,
+                q, k_blk, v_blk, keep_blk, out, lse, grad_out, delta,
+                segments[rank], segments[source], q_docs=q_docs, causal=ctx.causal, window=ctx.window, scale=ctx.scale,
             )
             dq += dq_part
             grads.append(pack(dk_part, dv_part))
         mine = torch.empty_like(grads[0])
         dist.reduce_scatter_tensor(mine, torch.cat(grads), group=group)  # sum over the cp ranks
         dk, dv = unpack(mine, [k, v])
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                        group: dist.ProcessGroup, segments: list[Segments], *, causal: bool,
+                        group: dist.ProcessGroup, segments: list[Segments], *, q_docs: torch.Tensor, causal: bool,
                         window: int | None, scale: float) -> torch.Tensor:
-    return AllGatherAttention.apply(q, k, v, keep, group, segments, causal, window, scale)
+    return AllGatherAttention.apply(q, k, v, keep, q_docs, group, segments, causal, window, scale)

@@ -19,16 +19,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from smp.context_parallel import hf
 from smp.context_parallel.attention import ALGORITHMS, ContextParallelSetup, activate
 from smp.context_parallel.probe import AttentionProbe, meta_stand_ins
+from smp.context_parallel.ulysses import check_heads
 from smp.errors import ConfigError, UsageError
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str, load_balance: bool) -> AttentionProbe:
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str, load_balance: bool,
+                           tp: int = 1) -> AttentionProbe:
     """Switch the model's attention to context parallel; returns the attention probe, which the
-    caller installs with `install_attention_probe` once FSDP has wrapped the model."""
+    caller installs with `install_attention_probe` once FSDP has wrapped the model. `tp`: the
+    tensor parallel degree (Ulysses splits the heads tensor parallel left on each rank)."""
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"context_parallel.algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     if hf.is_hf_model(model):
         hf.check_hf_model(model)
+        if algorithm == "ulysses":
+            _check_ulysses_heads(model.config, cp_mesh.size(), tp)
         hf.use_context_parallel_attention(model)
     else:
         _check_user_model(model)
@@ -40,8 +45,22 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, algorithm: str
     if hf.is_hf_model(model):
         hf.guard_inputs(model, setup)  # every forward says where its tokens sit (hf.py)
     _require_attention_calls(model, setup)
-    skipped = hf.LOSS_INPUTS if hf.is_hf_model(model) else ()
-    return AttentionProbe(setup=setup, stand_ins=meta_stand_ins(model), skipped_inputs=skipped)
+    if hf.is_hf_model(model):
+        return AttentionProbe(setup=setup, stand_ins=meta_stand_ins(model), skipped_inputs=hf.LOSS_INPUTS,
+                              prepare=hf.with_padding_mask)
+    return AttentionProbe(setup=setup, stand_ins=meta_stand_ins(model))
+
+
+def _check_ulysses_heads(config: Any, cp: int, tp: int) -> None:
+    """ConfigError when a Hugging Face model's heads do not split over cp x tp (Ulysses)."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return  # the attention checks the heads it is given (ulysses.check_heads)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    try:
+        check_heads(heads, kv_heads, cp, tp)
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_user_model(model: nn.Module) -> None:

@@ -102,7 +102,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = attention(query, key, value, causal=causal, scale=scaling, sliding_window=sliding_window,
-                    key_padding_mask=attention_mask)
+                    key_padding_mask=attention_mask, position_ids=kwargs.get("position_ids"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -158,11 +158,29 @@ def accept_precut_inputs(model: nn.Module) -> None:
     inputs.precut = True
 
 
+def with_padding_mask(args: tuple, kwargs: dict) -> dict:
+    """`kwargs` with an all-ones 2-D attention_mask where the forward has none. Without a mask
+    (and without a cache) transformers reads documents from position_ids; on a rank's chunk the
+    global positions of load-balanced chunks (0..3, 12..15) look like several documents, and on
+    the meta device (the attention probe) the test reads a value. smp's attention reads packed
+    documents from position_ids itself (attention.py); the mask only reaches it as padding."""
+    if kwargs.get("attention_mask") is not None:
+        return kwargs
+    tokens = args[0] if args else kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None:
+        return kwargs
+    return {**kwargs, "attention_mask": torch.ones(tokens.shape[:2], dtype=torch.long, device=tokens.device)}
+
+
 def complete_inputs(model_name: str, inputs: ForwardInputs, args: tuple, kwargs: dict) -> dict:
-    """The forward's keyword arguments with global positions and whole-sequence label shift."""
+    """The forward's keyword arguments with global positions, whole-sequence label shift and a
+    padding mask (with_padding_mask)."""
     setup = inputs.setup
     if setup.probing:
         return kwargs
+    kwargs = with_padding_mask(args, kwargs)
     if len(args) > 1:
         raise UsageError(
             f"context_parallel_degree={setup.size}: pass {model_name}'s inputs by keyword "

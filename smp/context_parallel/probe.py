@@ -71,6 +71,8 @@ class AttentionProbe:
     # Keyword inputs the probe leaves out: a Hugging Face model's loss inputs. The loss is no
     # attention, and under tensor parallel it needs the vocab-sharded logits and a collective.
     skipped_inputs: tuple[str, ...] = ()
+    # The keyword inputs as the model's own input hook completes them (hf.with_padding_mask).
+    prepare: Callable[[tuple, dict], dict] | None = None
 
 
 def meta_stand_ins(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -95,6 +97,7 @@ def install_attention_probe(model: nn.Module, probe: AttentionProbe) -> None:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
             kept = {key: value for key, value in kwargs.items() if key not in probe.skipped_inputs}
+            kept = probe.prepare(args, kept) if probe.prepare is not None else kept
             report = probe_forward(module, probe.stand_ins, setup, args, kept)
         except ProbeAborted as e:
             handle.remove()

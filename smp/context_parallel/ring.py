@@ -34,7 +34,7 @@ def _exchange(buffer: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                group: dist.ProcessGroup, segments: list[Segments], causal: bool,
+                q_docs: torch.Tensor, group: dist.ProcessGroup, segments: list[Segments], causal: bool,
                 window: int | None, scale: float) -> torch.Tensor:
         """q (B, Hkv, G, Lq, D), k/v (B, Hkv, Lk, D) float32, keep (B, Lk) bool; `segments[i]`:
         the global runs rank i of `group` holds. Returns the output (B, Hkv, G, Lq, D)."""
@@ -47,21 +47,21 @@ class RingAttention(torch.autograd.Function):
             pending = _exchange(held, group, send_to, recv_from) if step < size - 1 else None
             k_blk, v_blk, keep_blk = unpack(held, [k, v, keep])
             part_out, part_lse = block_forward(
-                q, k_blk, v_blk, keep_blk.bool(), segments[rank], segments[(rank - step) % size],
-                causal=causal, window=window, scale=scale,
+                q, k_blk, v_blk, keep_blk, segments[rank], segments[(rank - step) % size],
+                q_docs=q_docs, causal=causal, window=window, scale=scale,
             )
             out, lse = (part_out, part_lse) if out is None else merge(out, lse, part_out, part_lse)
             if pending is not None:
                 held, requests = pending
                 for request in requests:
                     request.wait()
-        ctx.save_for_backward(q, k, v, keep, out, lse)
+        ctx.save_for_backward(q, k, v, keep, q_docs, out, lse)
         ctx.group, ctx.segments, ctx.causal, ctx.window, ctx.scale = group, segments, causal, window, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, keep, out, lse = ctx.saved_tensors
+        q, k, v, keep, q_docs, out, lse = ctx.saved_tensors
         group, segments = ctx.group, ctx.segments
         size, rank = len(segments), dist.get_rank(group)
         send_to = dist.get_global_rank(group, (rank + 1) % size)
@@ -73,9 +73,9 @@ class RingAttention(torch.autograd.Function):
         dk_acc, dv_acc = torch.zeros_like(k), torch.zeros_like(v)
         for step in range(size):
             dq_part, dk_part, dv_part = block_backward(
-                q, k_blk, v_blk, keep_blk.bool(), out, lse, grad_out, delta,
+                q, k_blk, v_blk, keep_blk, out, lse, grad_out, delta,
                 segments[rank], segments[(rank - step) % size],
-                causal=ctx.causal, window=ctx.window, scale=ctx.scale,
+                q_docs=q_docs, causal=ctx.causal, window=ctx.window, scale=ctx.scale,
             )
             dq += dq_part
             dk_acc, dv_acc = dk_acc + dk_part, dv_acc + dv_part
@@ -89,10 +89,10 @@ class RingAttention(torch.autograd.Function):
                 dk_acc, dv_acc = unpack(incoming, [k, v])
             else:
                 k_blk, v_blk, keep_blk, dk_acc, dv_acc = unpack(incoming, [k, v, keep, k, v])
-        return dq, dk_acc, dv_acc, None, None, None, None, None, None
+        return dq, dk_acc, dv_acc, None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                   group: dist.ProcessGroup, segments: list[Segments], *, causal: bool,
+                   group: dist.ProcessGroup, segments: list[Segments], *, q_docs: torch.Tensor, causal: bool,
                    window: int | None, scale: float) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, keep, group, segments, causal, window, scale)
+    return RingAttention.apply(q, k, v, keep, q_docs, group, segments, causal, window, scale)

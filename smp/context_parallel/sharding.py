@@ -50,6 +50,51 @@ def check_sequence_length(seq_len: int, cp_size: int, load_balance: bool) -> Non
         )
 
 
+def document_keys(position_ids: torch.Tensor | None, index: torch.Tensor, batch: int) -> torch.Tensor:
+    """Each token's document key, float (B, L): its global index minus its position id. In a
+    packed row (positions restart at 0 at each document, +1 inside it) the key is the index of
+    the document's first token, equal for the tokens of one document and different across
+    documents; one unpacked document per row gives 0 everywhere. `index` (L,): the global
+    indices of the tokens (chunk_positions). Exact in float32 below 2**24 tokens."""
+    if position_ids is None:
+        return torch.zeros(batch, index.numel(), device=index.device)
+    return (index[None, :] - position_ids.to(index.device)).float()
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool: True where a document begins inside a row (the position is not the previous
+    one + 1), transformers' rule for packed rows; never at index 0."""
+    starts = torch.zeros_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def check_packed(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether rows are packed (several documents each); raises UsageError for what smp cannot
+    split exactly: a position jumping up inside a row (document keys could repeat), or packed
+    rows with an attention mask (transformers then ignores the documents' boundaries)."""
+    starts = document_starts(position_ids)
+    if not bool(starts.any()):
+        return False
+    jumps = position_ids[:, 1:] > position_ids[:, :-1] + 1
+    if bool(jumps.any()):
+        row, col = (int(i) for i in jumps.nonzero()[0])
+        raise UsageError(
+            f"context parallel shard_batch: position_ids of row {row} jump from "
+            f"{int(position_ids[row, col])} to {int(position_ids[row, col + 1])}; packed rows must "
+            f"restart each document's positions at 0 (as DataCollatorWithFlattening does)"
+        )
+    if attention_mask is not None:
+        raise UsageError(
+            "context parallel shard_batch: the batch has packed rows (position_ids restart inside a "
+            "row) and an attention_mask; with a mask transformers attends across the documents' "
+            "boundaries, so one process and smp would differ: drop attention_mask (pack without "
+            "padding, as DataCollatorWithFlattening does, or make the padding a document of its own "
+            "with labels -100)"
+        )
+    return True
+
+
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Next-token targets on the whole sequence: position t is trained to predict labels[t + 1];
     the last position predicts nothing."""
@@ -77,11 +122,14 @@ def shard_batch(batch: torch.Tensor | Mapping[str, Any], *, cp_size: int, cp_ran
     if unknown:
         raise UsageError(f"context parallel shard_batch: no rule to split {sorted(unknown)} along the sequence")
     mask = fields.get("attention_mask")
+    positions = fields.get("position_ids")
+    packed = positions is not None and positions.dim() == 2 and check_packed(positions, mask)
     labels = fields.get("labels")
     if labels is None:
         labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, ignore_index)
+        if packed:  # no document predicts the next one's first token (DataCollatorWithFlattening)
+            labels = labels.masked_fill(document_starts(positions), ignore_index)
     targets = shift_labels(labels, ignore_index)
-    positions = fields.get("position_ids")
     if positions is None:
         positions = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
 

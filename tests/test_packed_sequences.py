@@ -1,0 +1,128 @@
+"""Packed sequences (several documents per row, position ids restarting at each, no padding)
+under FSDP, TP + sequence parallel and context parallel (ring, all-gather, Ulysses) vs one
+process running transformers' own model on the whole packed batch.
+
+The reference itself is checked first: the packed loss and gradients in one process equal the
+documents run one by one (measured: loss ~1e-7, gradients ~1e-8). Tolerances as
+tests/test_context_parallel.py: 1e-5 on loss and every gradient. Negative controls: positions
+that do not restart, attention that ignores the documents' boundaries, Ulysses heads put back in
+the wrong order, labels that let a document predict the next one's first token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import importlib
+
+import torch
+
+from smp.context_parallel.sharding import document_starts, shard_batch
+from tests import packed_cases
+
+cp_attention = importlib.import_module("smp.context_parallel.attention")  # the module, not the function
+
+TOL = 1e-5
+CP2 = {"context_parallel_degree": 2}
+
+
+def _check(reports: list[dict]) -> None:
+    for report in reports:
+        assert report["loss_diff"] < TOL, report
+        assert report["grad_diff"] < TOL, report
+    assert reports[0]["losses"][1] < reports[0]["losses"][0]  # it trains
+
+
+def _broken(reports: list[dict]) -> float:
+    return max(max(r["loss_diff"], r["grad_diff"]) for r in reports)
+
+
+# --- The reference: one process, transformers' own model ---------------------------------------
+
+
+def test_packed_reference_equals_documents_one_by_one():
+    r = packed_cases.reference_vs_documents()
+    assert r["targets"] == 4 * 13
+    assert r["loss_diff"] < TOL and r["grad_diff"] < TOL, r
+
+
+@pytest.mark.parametrize("variant", ["global_positions", "cache", "no_boundary_labels"])
+def test_packed_reference_negative_controls(variant):
+    """Positions that do not restart, a cache in train mode (transformers then attends across
+    documents), or labels across boundaries: the packed run no longer equals the documents."""
+    r = packed_cases.reference_vs_documents(variant=variant)
+    assert max(r["loss_diff"], r["grad_diff"]) > 1e-3, r
+
+
+def test_local_attention_is_per_document():
+    """smp.context_parallel.attention in one process (no cp): a packed row equals each document
+    attended alone."""
+    torch.manual_seed(0)
+    lengths = [5, 7, 4]
+    q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    out = cp_attention.attention(q, k, v, causal=True, position_ids=positions)
+    at = 0
+    for n in lengths:
+        part = slice(at, at + n)
+        alone = torch.nn.functional.scaled_dot_product_attention(q[..., part, :], k[..., part, :], v[..., part, :],
+                                                                 is_causal=True)
+        assert torch.allclose(out[..., part, :], alone, atol=1e-6)
+        at += n
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (out - whole).abs().max() > 1e-2  # the boundaries matter
+
+
+def test_shard_batch_cuts_labels_at_document_boundaries():
+    ids = torch.arange(8)[None]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    assert document_starts(positions).tolist() == [[False, False, False, True, False, False, False, False]]
+    out = shard_batch({"input_ids": ids, "position_ids": positions}, cp_size=2, cp_rank=0, load_balance=False)
+    assert out["labels"].tolist() == [[1, 2, -100, 4]]  # token 2 ends its document
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0]]
+
+
+# --- Layouts vs one process --------------------------------------------------------------------
+
+LAYOUTS = {
+    "fsdp2": (2, {}),
+    "tp2-sp": (2, {"tensor_parallel_degree": 2, "tensor_parallel": {"sequence_parallel": True}}),
+    "cp2-ring": (2, CP2),
+    "cp2-ring-unbalanced": (2, {**CP2, "context_parallel": {"load_balance": False}}),
+    "cp2-allgather": (2, {**CP2, "context_parallel": {"algorithm": "allgather"}}),
+    "cp2-ulysses": (2, {**CP2, "context_parallel": {"algorithm": "ulysses"}}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_matches_single_process(ranks, layout):
+    world, config = LAYOUTS[layout]
+    _check(ranks(world).run(packed_cases.equivalence, config=config, timeout=300))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
+def test_packed_user_model_under_context_parallel(ranks, algorithm):
+    config = {**CP2, "context_parallel": {"algorithm": algorithm}}
+    _check(ranks(2).run(packed_cases.equivalence, config=config, kind="user"))
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2-sp", "cp2-ring"])
+def test_global_positions_are_caught(ranks, layout):
+    """Negative control: the smp run's positions do not restart at each document."""
+    world, config = LAYOUTS[layout]
+    assert _broken(ranks(world).run(packed_cases.equivalence, config=config, variant="global_positions")) > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["cp2-ring", "cp2-allgather", "cp2-ulysses"])
+def test_mask_ignoring_boundaries_is_caught(ranks, layout):
+    """Negative control: context parallel attention that treats each row as one document."""
+    world, config = LAYOUTS[layout]
+    assert _broken(ranks(world).run(packed_cases.equivalence, config=config, corrupt="ignore_boundaries")) > 1e-3
+
+
+@pytest.mark.parametrize("padded,jump,expected", [
+    (True, False, "packed rows (position_ids restart inside a row) and an attention_mask"),
+    (False, True, "jump from"),
+])
+def test_packed_with_padding_is_refused_on_every_rank(ranks, padded, jump, expected):
+    for message in ranks(2).run(packed_cases.shard_error, config=CP2, padded=padded, jump=jump):
+        assert message.startswith("UsageError") and expected in message, message
