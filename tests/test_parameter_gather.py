@@ -244,3 +244,24 @@ def test_int8_gather_training_within_half_percent(ranks, world, extra):
     end_exact, end_int8 = statistics.mean(exact[-20:]), statistics.mean(int8[-20:])
     assert abs(end_int8 - end_exact) < 0.005 * end_exact, (end_int8, end_exact)
     assert int8 != exact  # quantisation really happened
+
+
+# ------------------------------------------------------------------------------------------
+# Pipeline and expert parallel beside it: close to one process, and not equal to it
+
+
+def test_pipeline_x_fsdp_with_int8_gather(ranks):
+    from tests import pipeline_compose_cases
+
+    config = {"pipeline_parallel_degree": 2, "pipeline": {"schedule": "1f1b", "microbatches": 4},
+              "parameter_gather": "int8"}
+    for report in ranks(4).run(pipeline_compose_cases.compose, config=config):
+        assert 1e-7 < report["grad_diff"] < 5e-2 and report["loss_diff"] < 1e-2, report
+
+
+def test_expert_parallel_with_int8_gather(ranks):
+    from tests import expert_parallel_cases
+
+    config = {"expert_parallel_degree": 2, "parameter_gather": "int8"}
+    for report in ranks(2).run(expert_parallel_cases.equivalence, config=config, kind="mixtral", steps=2, timeout=300):
+        assert 1e-7 < report["grad_diff"] < 5e-2 and report["loss_diff"] < 1e-2, report

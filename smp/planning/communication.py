@@ -68,8 +68,10 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
     return out
 
 
-def _unit_gather_bytes(params: list, is_root: bool, p_bytes: int, algorithm: str, block: int) -> int:
-    """`parameter_gather_bytes` of one FSDP unit as FSDP built it."""
+def _unit_gather_bytes(params: list, is_root: bool, p_bytes: int, algorithm: str, block: int,
+                       flat: bool = False) -> int:
+    """`parameter_gather_bytes` of one FSDP unit as FSDP built it (`flat`: as if its backward
+    gather went over every shard rank, not hierarchical)."""
     n = params[0].mesh_info.shard_mesh_size
     cols = sum(fsdp_sharded_data(fp).numel() for fp in params)
     # Forward gathers every unit; backward gathers again those resharded after forward (blocks,
@@ -77,20 +79,21 @@ def _unit_gather_bytes(params: list, is_root: bool, p_bytes: int, algorithm: str
     # recorded (smaller than n: parameter_gather.hierarchical).
     post = params[0].post_forward_mesh_info
     gathers = 1 if is_root or post is None else 2
-    node = post.shard_mesh_size if gathers == 2 and post.shard_mesh_size < n else None
+    node = post.shard_mesh_size if gathers == 2 and post.shard_mesh_size < n and not flat else None
     return parameter_gather_bytes(cols, n, p_bytes, algorithm, block, gathers=gathers, node_ranks=node)
 
 
-def parameter_gather_settings(model: nn.Module, config: SMPConfig, grad_accum: int = 1) -> dict[str, int]:
+def parameter_gather_settings(model: nn.Module, config: SMPConfig, grad_accum: int = 1,
+                              flat: bool = False) -> dict[str, int]:
     """Parameter all-gather bytes per rank per step of `model` (transformed) with each
-    `parameter_gather.algorithm`, the layout (and hierarchical) as built."""
+    `parameter_gather.algorithm`, the units (and hierarchical, unless `flat`) as built."""
     mp, block = config.mixed_precision, config.parameter_gather.block_size
     out = {}
     for algorithm in ("default", "int8", "fp8"):
         total = 0
         for module, params in fsdp_units(model):
             p_bytes = dtype_bytes(mp.param_dtype, fsdp_sharded_data(params[0]).dtype)
-            total += _unit_gather_bytes(params, module is model, p_bytes, algorithm, block)
+            total += _unit_gather_bytes(params, module is model, p_bytes, algorithm, block, flat)
         out[algorithm] = grad_accum * total
     return out
 
