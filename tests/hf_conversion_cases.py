@@ -115,3 +115,106 @@ def load_like_from_pretrained(config: dict, family: str, directory: str, tampers
         if dist.get_rank() == 0:
             shutil.rmtree(directory, ignore_errors=True)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The folder's files (hf_checks.read_folder): which files load_hf reads, and what it refuses
+
+
+def _llama() -> torch.nn.Module:
+    import transformers as T
+
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+
+
+def _folder_variants(root: str) -> dict[str, str]:
+    """Rank 0 writes a sharded save_pretrained folder (index + 2 or more files) and its variants:
+    `stray`: one more file the index does not name, holding `model.norm.weight` = 9.0 (a file
+    from_pretrained ignores); `single_stray`: the same beside a one-file `model.safetensors`;
+    `fifo`: a FIFO in place of a file the index names; `fifo_unindexed`: a folder of files with
+    no index (read whole) holding a FIFO named `*.safetensors`; `duplicate`: the stray file (with
+    one more key) named by the index for that key, so two named files hold the norm;
+    `duplicate_unindexed`: the stray file in a folder with no index; `outside`: an index entry
+    `../elsewhere.safetensors`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    model = _llama()
+    paths = {kind: os.path.join(root, kind) for kind in
+             ("clean", "stray", "single", "single_stray", "fifo", "fifo_unindexed", "duplicate",
+              "duplicate_unindexed", "outside")}
+    model.save_pretrained(paths["clean"], max_shard_size="60KB")
+    model.save_pretrained(paths["single"])
+    stray = {"model.norm.weight": torch.full((64,), 9.0)}
+    for kind in ("stray", "fifo", "fifo_unindexed", "duplicate", "duplicate_unindexed", "outside"):
+        shutil.copytree(paths["clean"], paths[kind])
+    shutil.copytree(paths["single"], paths["single_stray"])
+    for kind in ("stray", "single_stray", "duplicate_unindexed"):
+        save_file(stray, os.path.join(paths[kind], "model-stray.safetensors"), metadata={"format": "pt"})
+    os.remove(os.path.join(paths["duplicate_unindexed"], "model.safetensors.index.json"))
+    save_file({**stray, "extra.bias": torch.zeros(2)}, os.path.join(paths["duplicate"], "model-stray.safetensors"),
+              metadata={"format": "pt"})
+    index_path = os.path.join(paths["duplicate"], "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    index["weight_map"]["extra.bias"] = "model-stray.safetensors"
+    json.dump(index, open(index_path, "w"))
+    index_path = os.path.join(paths["fifo"], "model.safetensors.index.json")
+    named = sorted(set(json.load(open(index_path))["weight_map"].values()))[-1]
+    os.remove(os.path.join(paths["fifo"], named))
+    os.mkfifo(os.path.join(paths["fifo"], named))
+    os.remove(os.path.join(paths["fifo_unindexed"], "model.safetensors.index.json"))
+    os.mkfifo(os.path.join(paths["fifo_unindexed"], "zz-pipe.safetensors"))
+    index_path = os.path.join(paths["outside"], "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+    json.dump(index, open(index_path, "w"))
+    return paths
+
+
+def folder_files(config: dict, root: str) -> dict:
+    """load_hf of each variant of `_folder_variants` into the transformed model: {kind: {"error",
+    "seconds", "differ" (names not bitwise equal to from_pretrained of the clean folder)}}, plus
+    what from_pretrained loads for the stray folders' norm (`from_pretrained_norm`) and the
+    stray value (`stray_norm`): the oracle distinguishes the two."""
+    import time
+
+    from transformers import LlamaForCausalLM
+
+    out: dict = {}
+    try:
+        with smp.session(config):
+            if dist.get_rank() == 0:
+                _folder_variants(root)
+            dist.barrier()
+            paths = {kind: os.path.join(root, kind) for kind in os.listdir(root)}
+            reference = LlamaForCausalLM.from_pretrained(paths["clean"]).state_dict()
+            for kind in ("stray", "single_stray"):
+                norm = LlamaForCausalLM.from_pretrained(paths[kind]).state_dict()["model.norm.weight"]
+                out[f"{kind}_from_pretrained_equal"] = bool(torch.equal(norm, reference["model.norm.weight"]))
+            out["stray_norm"] = 9.0
+            out["reference_norm"] = float(reference["model.norm.weight"][0])
+            for kind in ("clean", "stray", "single_stray", "fifo", "fifo_unindexed", "duplicate",
+                         "duplicate_unindexed", "outside"):
+                torch.manual_seed(99)  # other values than the folder's
+                model = smp.transform(_llama())
+                start = time.monotonic()
+                try:
+                    smp.checkpointing.load_hf(paths[kind], model)
+                    error = ""
+                except smp.CheckpointError as e:
+                    error = str(e)
+                entry = {"error": error, "seconds": time.monotonic() - start}
+                if not error:
+                    state = model.state_dict()
+                    entry["differ"] = sorted(n for n, t in state.items()
+                                             if not torch.equal(full_tensor(t.detach()), reference[n]))
+                out[kind] = entry
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return out

@@ -428,3 +428,32 @@ def test_packed_tp_resume_world4(ranks, tmp_path, save_config, load_config):
         assert (r["packed_saved"] or r["packed_loaded"]) and r["differ"] == [], r
         assert max(abs(a - b) for a, b in zip(r["resumed"], r["losses"])) <= PACKED_RESUME_TOL, r
         assert r["box_differ"] if r["packed_loaded"] else r["export_differ"] == [], r
+
+
+# --- load_hf: which files of the folder, as from_pretrained reads them -------------------------
+
+
+def test_load_hf_reads_the_files_from_pretrained_reads(ranks, tmp_path):
+    """(World 2) load_hf follows from_pretrained's choice of files: the index's files only (a
+    stray `*.safetensors` holding `model.norm.weight` = 9.0 is ignored, as from_pretrained
+    ignores it), `model.safetensors` alone when there is one; every load bitwise equal to
+    from_pretrained of the clean folder. The oracle tells the stray value from the real one (the
+    negative control: 9.0 is not what from_pretrained loads). Refused on every rank, naming the
+    file, within seconds (a hang would be the pool's timeout): a FIFO the index names or, in a
+    folder with no index, a FIFO named `*.safetensors`; a key two read files hold (both named);
+    an index entry outside the folder."""
+    from tests import hf_conversion_cases as hcases
+
+    for r in ranks(2).run(hcases.folder_files, config={}, root=str(tmp_path / "folders"), timeout=120):
+        for kind in ("clean", "stray", "single_stray"):
+            assert r[kind]["error"] == "" and r[kind]["differ"] == [], (kind, r[kind])
+        assert r["stray_from_pretrained_equal"] and r["single_stray_from_pretrained_equal"], r
+        assert r["reference_norm"] != r["stray_norm"], r  # negative control: the stray value is visible
+        assert "FIFO" in r["fifo"]["error"] and "model-0000" in r["fifo"]["error"], r["fifo"]
+        assert "FIFO" in r["fifo_unindexed"]["error"] and "zz-pipe.safetensors" in r["fifo_unindexed"]["error"], r
+        for kind in ("fifo", "fifo_unindexed"):
+            assert r[kind]["seconds"] < 10, (kind, r[kind])
+        for kind in ("duplicate", "duplicate_unindexed"):
+            error = r[kind]["error"]
+            assert "'model.norm.weight'" in error and "model-stray.safetensors" in error and "model-0000" in error, (kind, error)
+        assert "../elsewhere.safetensors" in r["outside"]["error"] and "inside the folder" in r["outside"]["error"], r

@@ -1,0 +1,284 @@
+"""Host memory of loading, saving and exporting a model, per rank, as the kernel counts it.
+
+    python bench/bench_load_memory.py [--layers 24 --hidden 1024 --vocab 32000] [--quick]
+                                      [--label after] [--only fsdp,tp,pp,ep,eager,peer]
+
+Peak resident memory (VmHWM, which RSS-based out-of-memory killers count: private memory and
+the file pages a memory-mapped read touched) per rank, above the rank's resident memory just
+before the phase (`echo 5 > /proc/self/clear_refs` resets the peak there), divided by the bound
+smp documents: model bytes / world + the largest tensor's bytes (the model's dtype). Each case
+is its own `torchrun` run at world 2, on folders written once with `save_pretrained` (a ~0.47B
+Llama, fp32 and bf16, one file and ~480 MB files; a small Mixtral in the per-expert layout that
+transformers converts on load):
+  smp          `smp.transform(meta model, weights=folder)` under FSDP 2, TP 2, PP 2, EP 2;
+               then (one folder) `save`, `save(async_save=True)` (until `wait()`), `export_hf`
+  eager        `smp.transform(from_pretrained(folder))` on every rank (what the meta path avoids)
+  transformers `from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=2))`, and
+               `tp_plan="auto"` at TP 2 (its own distributed loading)
+Wall and CPU (user + system of the rank's process) seconds per phase are reported beside it.
+
+Writes bench/results/load_memory[_<label>].json; `--label before` with PYTHONPATH pointing at an
+older checkout of smp measures that code with the same script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+LIMIT = 1.10  # the target: peak above baseline / (model / world + largest tensor)
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmHWM, VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    return _status("VmRSS")
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _measure(fn) -> tuple[dict, object]:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    base = _reset_peak()
+    wall, cpu = time.perf_counter(), _cpu()
+    result = fn()
+    wall, cpu = time.perf_counter() - wall, _cpu() - cpu
+    peak = _status("VmHWM")
+    return {"peak_mib": (peak - base) / 2**20, "settled_mib": (_status("VmRSS") - base) / 2**20,
+            "wall_s": wall, "cpu_s": cpu}, result
+
+
+# ----------------------------------------------------------------------------------------------
+# The folders (written once, in the driver)
+
+
+def _llama_config(a):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_hidden_layers=a.layers,
+                       num_attention_heads=16, num_key_value_heads=16, vocab_size=a.vocab,
+                       tie_word_embeddings=False, max_position_embeddings=2048)
+
+
+def _mixtral_config(a):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(hidden_size=a.hidden // 2, intermediate_size=a.hidden, num_hidden_layers=max(2, a.layers // 3),
+                         num_attention_heads=8, num_key_value_heads=8, vocab_size=a.vocab,
+                         num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def write_folders(root: str, a) -> dict[str, str]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folders = {}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama_config(a), dtype=torch.float32)
+    for dtype in ("fp32", "bf16"):
+        if dtype == "bf16":
+            model = model.to(torch.bfloat16)
+        for files, shard in (("one", "20GB"), ("multi", "480MB")):
+            path = os.path.join(root, f"llama_{dtype}_{files}")
+            model.save_pretrained(path, max_shard_size=shard)
+            folders[f"{dtype}-{files}"] = path
+    del model
+    torch.manual_seed(0)
+    moe = AutoModelForCausalLM.from_config(_mixtral_config(a), dtype=torch.float32)
+    folders["moe"] = os.path.join(root, "mixtral")
+    moe.save_pretrained(folders["moe"])  # per-expert w1/w2/w3: converted on load
+    return folders
+
+
+# ----------------------------------------------------------------------------------------------
+# One run (under torchrun): one peer, one layout, one folder; each rank writes its report.
+
+SMP_CONFIGS = {"fsdp": {}, "tp": {"tensor_parallel_degree": 2}, "pp": {"pipeline_parallel_degree": 2},
+               "ep": {"expert_parallel_degree": 2}}
+
+
+def _model_bytes(config) -> tuple[int, int]:
+    """(bytes of the model's parameters and persistent buffers in fp32, the largest one's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    return sum(sizes), max(sizes)
+
+
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    case = json.loads(a.case)
+    folder, peer, layout = case["folder"], case["peer"], case["layout"]
+    config = AutoConfig.from_pretrained(folder)
+    total, largest = _model_bytes(config)
+    report = {"model_mib": total / 2**20, "largest_mib": largest / 2**20}
+    if peer == "transformers":
+        from transformers.distributed import DistributedConfig
+
+        dist_config = DistributedConfig(fsdp_size=2) if layout == "fsdp" else DistributedConfig(tp_size=2)
+
+        def load():
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, distributed_config=dist_config)
+    else:
+        import smp
+
+        smp.init(SMP_CONFIGS[layout])
+        if peer == "smp":
+            with torch.device("meta"):
+                meta = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+            def load():
+                return smp.transform(meta, weights=folder)
+        else:  # eager: the whole model on every rank, then sharded
+
+            def load():
+                return smp.transform(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    world = int(os.environ["WORLD_SIZE"])
+    report["load"], model = _measure(load)
+    if case.get("save"):
+        import smp
+
+        out = case["out"]
+        report["save"], _ = _measure(lambda: smp.checkpointing.save(os.path.join(out, "step"), model))
+
+        def async_save():
+            smp.checkpointing.save(os.path.join(out, "step_async"), model, async_save=True)
+            smp.checkpointing.wait()
+        report["async_save"], _ = _measure(async_save)
+        report["export_hf"], _ = _measure(lambda: smp.checkpointing.export_hf(os.path.join(out, "hf"), model))
+    bound = total / world + largest
+    for phase in ("load", "save", "async_save", "export_hf"):
+        if phase in report:
+            report[phase]["ratio"] = report[phase]["peak_mib"] * 2**20 / bound
+    with open(os.path.join(a.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver
+
+
+def cases(folders: dict[str, str], a, root: str) -> list[dict]:
+    only = set(a.only.split(",")) if a.only else None
+    llama = ["fp32-one", "fp32-multi", "bf16-one", "bf16-multi"] if not a.quick else ["fp32-one"]
+    out = []
+    for layout in ("fsdp", "tp", "pp"):
+        for name in llama:
+            out.append({"peer": "smp", "layout": layout, "files": name, "folder": folders[name],
+                        "save": name == "fp32-multi" or a.quick, "out": os.path.join(root, "out")})
+    out.append({"peer": "smp", "layout": "ep", "files": "moe", "folder": folders["moe"]})
+    out.append({"peer": "eager", "layout": "fsdp", "files": "bf16-one", "folder": folders["bf16-one"]})
+    for layout in ("fsdp", "tp"):
+        for name in (["fp32-one", "fp32-multi"] if not a.quick else ["fp32-one"]):
+            out.append({"peer": "transformers", "layout": layout, "files": name, "folder": folders[name]})
+    if only:
+        out = [c for c in out if c["layout"] in only or c["peer"] in only]
+    return out
+
+
+def run_case(case: dict, script: str) -> list[dict] | str:
+    with tempfile.TemporaryDirectory(prefix="smp_load_mem_") as reports:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(29500 + os.getpid() % 1000), script, "--worker", "--case", json.dumps(case), "--out", reports]
+        env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+        run = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if case.get("out"):
+            shutil.rmtree(case["out"], ignore_errors=True)
+        if run.returncode:
+            return run.stderr[-1500:]
+        return [json.load(open(os.path.join(reports, f"rank{r}.json"))) for r in range(2)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--case")
+    p.add_argument("--out")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--quick", action="store_true", help="one folder per layout (a smoke run)")
+    p.add_argument("--only", default="", help="comma-separated layouts or peers to run")
+    p.add_argument("--label", default="", help="results file suffix (before / after)")
+    p.add_argument("--root", default="", help="reuse the folders written there")
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    root = a.root or tempfile.mkdtemp(prefix="smp_bench_load_")
+    try:
+        if not os.path.isdir(os.path.join(root, "mixtral")):
+            folders = write_folders(root, a)
+        else:
+            folders = {f"{d}-{n}": os.path.join(root, f"llama_{d}_{n}") for d in ("fp32", "bf16") for n in ("one", "multi")}
+            folders["moe"] = os.path.join(root, "mixtral")
+        results = []
+        for case in cases(folders, a, root):
+            ranks = run_case(case, os.path.abspath(__file__))
+            row = {k: case[k] for k in ("peer", "layout", "files")}
+            if isinstance(ranks, str):
+                row["error"] = ranks
+                print(row, flush=True)
+                results.append(row)
+                continue
+            row["model_mib"], row["largest_mib"] = ranks[0]["model_mib"], ranks[0]["largest_mib"]
+            for phase in ("load", "save", "async_save", "export_hf"):
+                if phase in ranks[0]:
+                    row[phase] = {k: [round(r[phase][k], 3) for r in ranks] for k in ranks[0][phase]}
+                    row[phase]["max_ratio"] = max(row[phase]["ratio"])
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        RESULTS.mkdir(exist_ok=True)
+        name = f"load_memory{'_' + a.label if a.label else ''}.json"
+        smp_rows = [r for r in results if r.get("peer") == "smp"]
+        summary = {
+            "target": LIMIT,
+            "met": all("error" not in r and all(r[ph]["max_ratio"] <= LIMIT for ph in ("load", "save", "async_save", "export_hf") if ph in r)
+                       for r in smp_rows),
+        }
+        (RESULTS / name).write_text(json.dumps({
+            "command": "python bench/bench_load_memory.py " + " ".join(sys.argv[1:]),
+            "machine": f"{os.cpu_count()} CPUs, torch on CPU (gloo), world 2",
+            "summary": summary, "cases": results}, indent=1))
+        print(json.dumps(summary))
+    finally:
+        if not a.root:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
