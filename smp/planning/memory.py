@@ -37,11 +37,13 @@ def fsdp_units(model: nn.Module) -> list[tuple[nn.Module, list[Any]]]:
     """(module, its FSDPParams) for every FSDP unit of a transformed model."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = []
+    units, seen = [], set()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             params = fsdp_unit_params(module)
-            if params is not None:
+            # A merged unit (fully_shard of several blocks) is one unit: listed at its first module.
+            if params is not None and id(params[0]) not in seen:
+                seen.add(id(params[0]))
                 units.append((module, params))
     return units
 

@@ -21,12 +21,13 @@ from smp.planning.fake_world import fake_world
 from smp.planning.memory import (
     OPTIMIZER_STATE_FACTOR,
     dtype_bytes,
+    fsdp_units,
     human_bytes,
     optimizer_state_bytes,
     sharded_bytes,
     transient_bytes,
 )
-from smp.sharding.fsdp import block_reshard_after_forward
+from smp.sharding.fsdp import block_reshard_after_forward, cast_transient_bytes, describe_layout
 
 
 @dataclass
@@ -158,7 +159,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         total_params = sum(p.numel() for p in meta_model.parameters())
         # Then the real recipe, left on meta.
         apply_parallelism(meta_model, cfg, dims, mesh, torch.device("cpu"), materialize=False)
-        sizes = sharded_bytes(meta_model)
+        sizes = _stage_sizes(meta_model)  # FSDP's shards; whole parameters where no FSDP unit holds them
         comm = comm_bytes_per_step(
             meta_model, cfg, dims, micro_batch=micro_batch, seq_len=seq_len, hidden=hidden,
             layers=len(per_block), grad_accum=grad_accum,
@@ -166,7 +167,9 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         reshard = block_reshard_after_forward(
             cfg.reshard_after_forward, explicit="reshard_after_forward" in cfg.model_fields_set,
             shard_ranks=dims.dp_shard * dims.cp, cpu_offload=cfg.cpu_offload)
-        transient = transient_bytes(meta_model, p_bytes, g_bytes, all_gathered=reshard is False)
+        transient = transient_bytes(meta_model, p_bytes, g_bytes, all_gathered=reshard is False) \
+            if fsdp_units(meta_model) else cast_transient_bytes(meta_model, p_bytes)
+        layout = describe_layout(meta_model)  # FSDP units, merged or none (sharding/fsdp.py)
         top_k = getattr(model_cfg, "num_experts_per_tok", None) or 1
         expert_figures = expert_account(meta_model, experts, dims.ep, top_k)
 
@@ -174,6 +177,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
     shown = ", ".join(root_names[:8]) + (f" ... ({len(root_names) - 8} more)" if len(root_names) > 8 else "")
     notes.append(f"root FSDP unit (gathered for the whole step, never checkpointed): {shown}: "
                  f"{root_share:.1%} of the parameters")
+    notes += [layout] if layout else []
     notes.append(parameter_gather_note(parameter_gather_settings(meta_model, cfg, grad_accum)))
     if dims.ep > 1:
         notes.append(f"expert parallel assumes balanced routing: a rank's experts receive tokens x top_k choices "
