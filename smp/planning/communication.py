@@ -55,6 +55,7 @@ def comm_bytes_per_step(model: nn.Module, config: SMPConfig, dims: ParallelDims,
         out["context_parallel"] = bytes_per_step(
             config.context_parallel.algorithm, dims.cp, micro_batch, seq_len, _kv_dim(model, hidden), layers,
             recompute=config.activation_checkpointing.mode == "full", grad_accum=grad_accum,
+            q_dim=_q_dim(model, hidden),  # Ulysses moves the query heads too
         )
     if dims.ep > 1:
         # Token choices to their experts' ranks and back, per MoE layer (smp/expert_parallel/cost.py).
@@ -113,6 +114,15 @@ def parameter_gather_bytes(cols: int, n: int, p_bytes: int, algorithm: str, bloc
     if node_ranks is None:
         return 2 * one
     return one + (node_ranks - 1) * (n * cols // node_ranks) * p_bytes
+
+
+def _q_dim(model: nn.Module, hidden: int) -> int:
+    """Query width per token: heads x head dim of a HF config, else the hidden size."""
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", 0)
+    if not heads:
+        return hidden
+    return heads * (getattr(cfg, "head_dim", None) or hidden // heads)
 
 
 def _kv_dim(model: nn.Module, hidden: int) -> int:
