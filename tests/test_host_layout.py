@@ -74,3 +74,11 @@ def test_two_ranks_merged_units_with_bf16_reduce_is_caught(ranks):
     """Negative control: the merged layout with its fp32 reduce dropped (bf16 reduce-scatter)."""
     for report in ranks(2).run(cases.layout_vs_per_block, config=BF16, steps=2, variant="bf16_reduce"):
         assert not report["grads_equal"], report
+
+
+def test_one_rank_cast_layout_resumes_bitwise(ranks, tmp_path):
+    """smp.checkpointing save/load of the cast layout (plain float32 parameters between steps)."""
+    from tests import checkpoint_cases
+
+    (r,) = ranks(1).run(checkpoint_cases.exact_resume, config=BF16, root=str(tmp_path), steps=3, save_at=1)
+    assert r["resumed"] == r["losses"][1:] and r["param_diff"] == 0.0, r
