@@ -19,16 +19,14 @@ the folder has one). --data takes a .txt file or a .jsonl file with a "text" fie
 Outputs under --output-dir: metrics.jsonl (one line per step), tensorboard/ (when tensorboard
 is installed), metrics.png (when matplotlib is installed), checkpoints/step_N, hf/ (the export).
 
-With `pipeline_parallel_degree` > 1 in the config, smp.transform returns this rank's pipeline
-stages; the script notices (`PipelinedModel`) and trains and evaluates through
-`smp.pipeline.step` / `smp.pipeline.evaluate` (forward and backward of every micro-batch in one
-call). Nothing else changes for the user.
+The training step is `smp.step(model, batch)` and the evaluation `smp.evaluate(model, batch)`
+whatever the config's layout (FSDP, tensor, context, expert or pipeline parallel): the script
+has no branch per layout (docs/training-step.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -39,7 +37,6 @@ from pathlib import Path
 import torch
 
 import smp
-import smp.pipeline  # PipelinedModel, step, evaluate (pipeline_parallel_degree > 1)
 from smp import metrics
 from smp.config import ConfigError, load_config
 from smp.mesh import ParallelDims
@@ -194,12 +191,6 @@ def check_args(args: argparse.Namespace, world_size: int) -> ParallelDims:
             f"({dims.describe()}); use a multiple of {dims.dp}"
         )
     local = args.global_batch // dims.dp
-    if dims.pp > 1 and args.grad_accum > 1:
-        raise SystemExit(
-            f"error: --grad-accum {args.grad_accum} with pipeline_parallel_degree={dims.pp}: the pipeline already "
-            f"accumulates gradients over its micro-batches (set pipeline.microbatches in the config); use "
-            f"--grad-accum 1"
-        )
     if local % args.grad_accum:
         raise SystemExit(
             f"error: the per-rank batch {local} (--global-batch {args.global_batch} / data-parallel size {dims.dp}) "
@@ -234,39 +225,19 @@ def load_weights(model, folder: str, log) -> None:
 # Training
 
 
-def forward_backward(model, rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """Forward and backward of `rows` (this rank's); returns the loss times `scale`, detached.
-    A pipelined model (pipeline_parallel_degree > 1) runs the whole step, every micro-batch
-    through every stage, in `smp.pipeline.step`; it returns the loss on every rank."""
-    if isinstance(model, smp.pipeline.PipelinedModel):
-        assert scale == 1.0  # check_args: --grad-accum 1 under pp (the micro-batches accumulate)
-        return smp.pipeline.step(model, rows)
-    # This rank's chunks of each sequence under context parallel (else the rows whole).
-    loss = model(**smp.context_parallel.shard_batch(rows)).loss * scale
-    loss.backward()
-    return loss.detach()
-
-
-@torch.no_grad()
-def loss_of(model, rows: torch.Tensor) -> float:
-    """The loss of `rows` (this rank's) from the forward pass alone."""
-    if isinstance(model, smp.pipeline.PipelinedModel):
-        return float(smp.pipeline.evaluate(model, rows))
-    return float(model(**smp.context_parallel.shard_batch(rows)).loss)
-
-
 @torch.no_grad()
 def evaluate(model, rows: torch.Tensor, args, st) -> float:
-    """Mean loss over the held-out rows this rank owns, averaged over data-parallel ranks."""
+    """Mean loss of the held-out global batches (each rank passes its data-parallel rows;
+    smp.evaluate returns each global batch's loss on every rank)."""
     model.eval()
     per_rank = args.global_batch // st.dp_size
     batches = max(1, min(rows.shape[0] // args.global_batch, args.eval_batches))  # held out: >= 1 batch
     losses = []
     for start in range(0, batches * args.global_batch, args.global_batch):
         mine = rows[start + st.dp_rank * per_rank: start + (st.dp_rank + 1) * per_rank].to(st.device)
-        losses.append(loss_of(model, mine))
+        losses.append(float(smp.evaluate(model, {"input_ids": mine})))
     model.train()
-    return smp.training.all_reduce_mean(sum(losses) / len(losses))
+    return sum(losses) / len(losses)
 
 
 def grad_sync_bytes(formula: dict[str, int], st) -> tuple[int, str]:
@@ -353,16 +324,14 @@ def main(argv=None) -> None:
         mine = train_rows[batch_rows[st.dp_rank * local_batch:(st.dp_rank + 1) * local_batch]].to(st.device)
         loss_sum = torch.zeros((), device=st.device)  # on the device: no host sync per micro-step
         for m in range(args.grad_accum):
-            chunk = mine[m * micro:(m + 1) * micro]
-            last = m == args.grad_accum - 1
-            # Accumulate locally; only the last micro-step's backward syncs gradients.
-            with smp.no_sync(model) if not last else contextlib.nullcontext():
-                loss = forward_backward(model, chunk, 1.0 / args.grad_accum)
-            loss_sum += loss.float()
+            # One step for every layout: this rank's rows in, the global batch's loss out (every
+            # rank). Accumulating micro-steps skip the gradient sync; the last one syncs.
+            chunk = {"input_ids": mine[m * micro:(m + 1) * micro]}
+            loss_sum += smp.step(model, chunk, scale=1.0 / args.grad_accum, accumulate=m < args.grad_accum - 1)
         grad_norm = smp.clip_grad_norm_(model, args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        mean_loss = smp.training.all_reduce_mean(loss_sum)  # also waits for the step to finish
+        mean_loss = float(loss_sum) / args.grad_accum  # also waits for the step to finish
         seconds = time.perf_counter() - t0
         first_loss = mean_loss if first_loss is None else first_loss
         last_loss = mean_loss
