@@ -8,13 +8,16 @@ the training thread and reports its outcome on every rank.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from smp._compat import group_is_alive
 from smp.checkpointing.collective import is_dist, rank, world
@@ -93,6 +96,26 @@ class AsyncSaves:
         group, self._group, self._group_world = self._group, None, None
         if group is not None and is_dist() and group_is_alive(group):
             dist.destroy_process_group(group)
+
+
+def host_copy(state: Any) -> Any:
+    """A copy of a state dict in host memory that training cannot change: every tensor copied
+    to the CPU (a DTensor keeps its mesh, placements and global shape around its copied local
+    tensor), everything else deep-copied. What an async save writes once the call returns; held
+    by the save alone, so it is freed when written."""
+    if isinstance(state, DTensor):
+        local = state.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
+                                  shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: host_copy(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [host_copy(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(host_copy(v) for v in state)
+    return copy.deepcopy(state)
 
 
 _SAVES: Slot[AsyncSaves] = Slot("async checkpoint saves", make=AsyncSaves, close=AsyncSaves.close)

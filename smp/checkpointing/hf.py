@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from smp.checkpointing import atomic, hf_conversion, hf_nonfloat, metadata, packed
+from smp.checkpointing import atomic, hf_conversion, hf_nonfloat, hf_read, metadata, packed
 from smp.checkpointing.collective import agree
 from smp.checkpointing.collective import is_dist as _dist
 from smp.checkpointing.collective import on_rank0
@@ -598,3 +598,19 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
         for loaded, other in copies:  # the other copies of a tie across pipeline stages
             _local(state[other]).copy_(_local(state[loaded]))
     set_model_state_dict(model, state)
+
+
+def eager_load_note(model: nn.Module, shard_ranks: int) -> str | None:
+    """A line saying what building `model` whole on every rank cost, when it was (no tensor on
+    the meta device, and its parameters are to be sharded over `shard_ranks` > 1 ranks), and
+    what the meta path would hold instead; None otherwise."""
+    if shard_ranks <= 1 or has_meta_tensors(model):
+        return None
+    sizes = [t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()]
+    if not sizes:
+        return None
+    figures = hf_read.load_host_bytes(sum(sizes), max(sizes), sum(sizes) // shard_ranks)
+    return (f"smp.transform: this model was built whole on every rank ({figures['eager'] / 2**30:.2f} GiB of host "
+            f"memory per rank before sharding, more while from_pretrained converts a file's dtype); built on the "
+            f"meta device and filled by smp.transform(model, weights=FOLDER), each rank holds about "
+            f"{figures['weights'] / 2**30:.2f} GiB while loading (docs/checkpoints.md)")

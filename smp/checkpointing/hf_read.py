@@ -42,6 +42,15 @@ DTYPES = {
 }
 
 
+def load_host_bytes(whole_bytes: int, largest_bytes: int, rank_bytes: int) -> dict[str, int]:
+    """Host memory a rank holds while a model is loaded, per path (docs/checkpoints.md):
+    `weights`: `smp.transform(meta model, weights=folder)`: the rank's own shards, one tensor
+    whole (a converter's sources, or a packed weight's boxes) and one read slab (resident and
+    private alike: nothing is memory-mapped); `eager`: `from_pretrained` on every rank, then
+    `smp.transform`: the whole model on every rank, before sharding frees the rest."""
+    return {"weights": rank_bytes + largest_bytes + CHUNK_BYTES, "eager": whole_bytes}
+
+
 class Damaged(Exception):
     """Why a file cannot be read as safetensors, as a phrase (the caller names the file)."""
 

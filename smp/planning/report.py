@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from smp import scope
+from smp.checkpointing.hf_read import load_host_bytes
 from smp.config import ConfigError, ConfigSource, load_config
 from smp.mesh import ParallelDims
 from smp.models import build_causal_lm, resolve_model_config
@@ -52,6 +53,8 @@ class ParallelismPlan:
     total_params: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # Host bytes per rank while the weights load: {"weights": transform(weights=), "eager": from_pretrained first}.
+    load_host_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def device_bytes(self) -> int:
@@ -102,6 +105,10 @@ class ParallelismPlan:
             lines.append(f"  point-to-point per step: sends {g(pl['p2p_send_bytes']).strip()}, receives "
                          f"{g(pl['p2p_recv_bytes']).strip()} ({pl['p2p_boundary_bytes']:,} B per micro-batch "
                          f"per boundary and direction)")
+        if self.load_host_bytes:
+            lines.append(f"host memory while loading: {g(self.load_host_bytes['weights']).strip()} per rank with "
+                         f"smp.transform(meta model, weights=FOLDER); {g(self.load_host_bytes['eager']).strip()} "
+                         "(the whole model) with from_pretrained on every rank before smp.transform")
         lines.append("communication per rank per step:")
         for key, value in self.comm_bytes.items():
             lines.append(f"  {key:<18} {g(value)}")
@@ -157,6 +164,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         block_input = micro_batch * local_seq * hidden * (compute or 4)
         flops = model_flops(meta_model)
         total_params = sum(p.numel() for p in meta_model.parameters())
+        whole = _whole_bytes(meta_model)
         # Then the real recipe, left on meta.
         apply_parallelism(meta_model, cfg, dims, mesh, torch.device("cpu"), materialize=False)
         sizes = _stage_sizes(meta_model)  # FSDP's shards; whole parameters where no FSDP unit holds them
@@ -196,7 +204,7 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
         activation_bytes=act_device, transient_bytes=transient, host_bytes=host, comm_bytes=comm,
         experts=expert_figures,
         flops_per_token=flops.per_token(seq_len), total_params=total_params,
-        seconds=time.perf_counter() - start, notes=notes,
+        seconds=time.perf_counter() - start, notes=notes, load_host_bytes=load_host_bytes(*whole, sizes["local"]),
     )
 
 
@@ -227,6 +235,7 @@ def _plan_pipeline(cfg: Any, dims: ParallelDims, model_cfg: Any, world_size: int
             meta_model = build_causal_lm(model_cfg)
         flops = model_flops(meta_model)
         total_params = sum(p.numel() for p in meta_model.parameters())
+        whole = _whole_bytes(meta_model)
         pp_group = mesh["pp"].get_group()
         pp_rank = mesh["pp"].get_local_rank()
 
@@ -236,10 +245,11 @@ def _plan_pipeline(cfg: Any, dims: ParallelDims, model_cfg: Any, world_size: int
         fig = plan_stages(meta_model, cfg, pp_group, pp_rank, rows=rows, seq_len=seq_len, hidden=hidden,
                           compute_bytes=compute, recipe=recipe)
         pipelined = fig["pipelined"]
-        params = grads = opt = transient = 0
+        params = grads = opt = transient = held = 0
         comm: dict[str, int] = {}
         for stage in pipelined.stages:
             sizes = _stage_sizes(stage)
+            held += sizes["local"]
             params += sizes["padded"]
             grads += sizes["padded"]
             opt += optimizer_state_bytes(optimizer, sizes)
@@ -295,8 +305,14 @@ def _plan_pipeline(cfg: Any, dims: ParallelDims, model_cfg: Any, world_size: int
         optimizer=optimizer, param_bytes=params, grad_bytes=grads, optimizer_bytes=opt, activation_bytes=peak,
         transient_bytes=transient, host_bytes=host, comm_bytes=comm, pipeline=pipeline,
         flops_per_token=flops.per_token(seq_len), total_params=total_params,
-        seconds=time.perf_counter() - start, notes=notes,
+        seconds=time.perf_counter() - start, notes=notes, load_host_bytes=load_host_bytes(*whole, held),
     )
+
+
+def _whole_bytes(model: Any) -> tuple[int, int]:
+    """(bytes of the whole model's parameters and buffers, the largest one's), each tensor once."""
+    sizes = [t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()]
+    return sum(sizes), max(sizes, default=0)
 
 
 def _stage_sizes(stage: Any) -> dict[str, int]:
