@@ -5,8 +5,9 @@ subprocesses, ACCELERATE_USE_CPU=1 on CPU).
 - FSDP 2 equals the same script without smp under DDP at world 2 (every step's loss, the
   clipped global grad norm and the learning rate; eval loss), negative control: the norm of the
   gradients one rank holds is not it.
-- TP 2 equals one process (same), eval over the data-parallel ranks counts each row once;
-  negative control: gathered over every process the rows come twice.
+- TP 2 and PP 2 equal one process (same), eval over the data-parallel ranks counts each row
+  once; negative controls: gathered over every process the rows come twice; one pipeline
+  stage's gradient norm is not the model's.
 - A resume from save_state at step 3 repeats the uninterrupted run's steps 4..6.
 - save_pretrained into the output_dir (beside step_N folders) loads in from_pretrained with no
   missing keys and scores the trained model's probe loss.
@@ -69,11 +70,16 @@ def runs(tmp_path_factory):
         "fsdp2": dict(world=2, smp={}),
         "one": dict(world=1),
         "tp2": dict(world=2, smp={"tensor_parallel_degree": 2}),
+        # The pipelined model(**batch) runs the whole step, so one accumulation step (its loss
+        # reaches backward unscaled); its reference is one process at the same setting.
+        "pp2": dict(world=2, smp={"pipeline_parallel_degree": 2}, args=("--grad-accum", "1")),
+        "one_ga1": dict(world=1, args=("--grad-accum", "1")),
     }
 
     def get(name: str):
         if name not in made:
-            _launch(root / name, "--checkpointing-steps", "3", **plans[name])
+            plan = dict(plans[name])
+            _launch(root / name, "--checkpointing-steps", "3", *plan.pop("args", ()), **plan)
             made[name] = root / name
         return made[name]
 
@@ -104,6 +110,17 @@ def test_tp2_equals_one_process(runs):
 
 
 @pytest.mark.slow
+def test_pp2_equals_one_process(runs):
+    pp_steps, pp_end = _log(runs("pp2"))
+    one_steps, one_end = _log(runs("one_ga1"))
+    _assert_same_steps(pp_steps, one_steps)
+    assert pp_end["eval_rows"] == one_end["eval_rows"] == 7  # the ragged last eval batch too
+    assert pp_end["eval_loss"] == pytest.approx(one_end["eval_loss"], abs=TOL)
+    # Negative control: one stage's gradients alone are not the model's norm.
+    assert all(abs(r["local_grad_norm"] - r["grad_norm"]) > 1e-2 for r in pp_steps)
+
+
+@pytest.mark.slow
 def test_resume_from_save_state_is_exact(runs, tmp_path):
     first = runs("fsdp2")
     assert sorted(os.listdir(first / "step_3")) == [
@@ -119,7 +136,7 @@ def test_resume_from_save_state_is_exact(runs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2"])
 def test_save_pretrained_into_output_dir_loads(runs, layout):
     from transformers import LlamaForCausalLM
 
