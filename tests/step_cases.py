@@ -102,8 +102,19 @@ def _reference_loss(reference, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE)
 
 
+def token_sum_loss(outputs, batch: dict) -> torch.Tensor:
+    """A user's loss_fn that weighs every target of the global batch alike: its summed token
+    losses over the batch's `num_items_in_batch` (context parallel: labels already shifted)."""
+    if "shift_labels" in batch:
+        logits, targets = outputs.logits, batch["shift_labels"]
+    else:
+        logits, targets = outputs.logits[:, :-1], batch["labels"][:, 1:]
+    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return total / batch["num_items_in_batch"]
+
+
 def equivalence(config: dict, kind: str = "llama", steps: int = 2, broken: str | None = None,
-                layers: int = 2) -> dict:
+                layers: int = 2, loss_fn: str | None = None) -> dict:
     """The same loop under `config` and in one process on the same init and global batches:
     `smp.step` + SGD for `steps` steps, `smp.evaluate` on held-out rows after each. The largest
     loss (every rank's returned value), gradient and evaluation differences."""
@@ -118,7 +129,7 @@ def equivalence(config: dict, kind: str = "llama", steps: int = 2, broken: str |
             batch, held_out = padded_batch(seed=100), padded_batch(seed=7 + i)  # one batch: the loss falls
             if kind == "plain":  # a user's module takes no mask: the labels alone mark the padding
                 batch.pop("attention_mask"), held_out.pop("attention_mask")
-            loss = smp.step(model, data_rows(batch))  # the loop every layout runs
+            loss = smp.step(model, data_rows(batch), loss_fn=LOSS_FNS[loss_fn])  # the loop every layout runs
             ref_loss = _reference_loss(reference, batch)
             ref_loss.backward()
             ref_loss = ref_loss.detach()
@@ -129,8 +140,12 @@ def equivalence(config: dict, kind: str = "llama", steps: int = 2, broken: str |
             opt.zero_grad(), ref_opt.zero_grad()
             with torch.no_grad():
                 ref_eval = float(_reference_loss(reference, held_out))
-            report["eval_diff"] = max(report["eval_diff"], abs(float(smp.evaluate(model, data_rows(held_out))) - ref_eval))
+            evaluated = smp.evaluate(model, data_rows(held_out), loss_fn=LOSS_FNS[loss_fn])
+            report["eval_diff"] = max(report["eval_diff"], abs(float(evaluated) - ref_eval))
         return report
+
+
+LOSS_FNS = {None: None, "token_sum": token_sum_loss}
 
 
 def accumulation(config: dict) -> dict:

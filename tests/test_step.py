@@ -38,6 +38,12 @@ def test_one_loop_matches_one_process(ranks, config):
     _assert_matches(ranks(2).run(cases.equivalence, config=config))
 
 
+@pytest.mark.parametrize("config", [FSDP2, CP2], ids=["fsdp2", "cp2"])
+def test_a_loss_fn_over_num_items_in_batch_matches_one_process(ranks, config):
+    """loss_fn(outputs, batch) dividing its token sum by batch["num_items_in_batch"]."""
+    _assert_matches(ranks(2).run(cases.equivalence, config=config, loss_fn="token_sum"))
+
+
 def test_a_plain_module_matches_one_process(ranks):
     """A user's nn.Module (logits out): smp.step scores its logits itself."""
     _assert_matches(ranks(2).run(cases.equivalence, config=FSDP2, kind="plain"))
