@@ -153,6 +153,21 @@ def test_bytes_per_step_equal_formula(ranks, config):
         assert r["bytes"]["total"] == r["planned_all_gather"] > 0, r
 
 
+@pytest.mark.parametrize("gather", ["int8", {"algorithm": "fp8", "hierarchical": 2}])
+def test_smp_plan_equals_counted_bytes(ranks, gather):
+    """`smp plan` (meta model, fake world) plans the parameter all-gather bytes that a real step
+    of the same model counts."""
+    from smp.planning import plan
+    from smp.testing.models import tiny_llama_config
+    from tests import planning_cases
+
+    config = {**BF16, "parameter_gather": gather}
+    planned = plan(config, tiny_llama_config(), 4, seq_len=16, micro_batch=2).comm_bytes["all_gather"]
+    for got in ranks(4).run(planning_cases.measured_bytes, config=config):
+        counted = sum(v for k, v in got["sync"].items() if k.startswith("param_gather."))
+        assert counted == planned > 0, (planned, got["sync"])
+
+
 def test_int8_bytes_at_most_055_of_bf16(ranks):
     pool = ranks(4)
     exact = pool.run(cases.train, config={**BF16, "parameter_gather": {"hierarchical": 2}}, steps=1)[0]
@@ -242,6 +257,8 @@ def test_int8_gather_training_within_half_percent(ranks, world, extra):
     int8 = pool.run(cases.loss_curve, config={**config, "parameter_gather": "int8"}, steps=200)[0]
     assert exact[-1] < 0.75 * exact[0]  # it learned
     end_exact, end_int8 = statistics.mean(exact[-20:]), statistics.mean(int8[-20:])
+    print(f"world {world} {extra}: loss {exact[0]:.4f} -> exact {end_exact:.5f}, int8 gather {end_int8:.5f} "
+          f"({100 * (end_int8 / end_exact - 1):+.3f}%; means of the last 20 steps)")
     assert abs(end_int8 - end_exact) < 0.005 * end_exact, (end_int8, end_exact)
     assert int8 != exact  # quantisation really happened
 
