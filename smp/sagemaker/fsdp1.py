@@ -4,7 +4,10 @@
 - `FSDP.state_dict_type(model, FULL_STATE_DICT, FullStateDictConfig(rank0_only=True, ...))`:
   inside it `model.state_dict()` is the full (unsharded) state dict, on rank 0 only with
   rank0_only, which `torch.save` + `from_pretrained` load; with SHARDED_STATE_DICT it is the
-  DTensor-sharded one (FSDP2's own); LOCAL_STATE_DICT is refused.
+  DTensor-sharded one (FSDP2's own); LOCAL_STATE_DICT is refused. Under tensor parallelism the
+  sharded one holds each TP rank's slice as a whole tensor over `model.process_group`, as SMP v2's
+  did (smp/sagemaker/tp_slices.py), so per-TP-rank folders save and load through DCP over that
+  group; `model.load_state_dict` inside the block takes such slices back.
 - `FSDP.optim_state_dict(model, optimizer)`: the optimizer state dict of that kind;
   `FSDP.optim_state_dict_to_load(model, optimizer, osd)` loads it into the optimizer and returns
   the optimizer's state dict (so the script's `optimizer.load_state_dict(...)` changes nothing);
@@ -38,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, StateDi
 
 from smp._compat import checkpoint_wrapper_module, sharded_tensor_type
 from smp.sagemaker._guide import MigrationError, not_supported, section
+from smp.sagemaker.tp_slices import from_slice, state_to_slices
 
 _VIEW = "_smp_fsdp1_view"  # the attribute transform sets on the models this module answers for
 
@@ -47,16 +51,17 @@ class Fsdp1View:
     """What FSDP1 kept on a wrapped model, for a model smp sharded."""
 
     process_group: dist.ProcessGroup | None
+    shard_mesh: Any = None  # the 1-D DeviceMesh of process_group (per-TP-rank slices live on it)
     full: bool = False  # inside state_dict_type(FULL_STATE_DICT)
     rank0_only: bool = False
     offload_to_cpu: bool = False
     depth: list = field(default_factory=list)  # enclosing state_dict_type settings
 
 
-def adopt(model: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+def adopt(model: nn.Module, process_group: dist.ProcessGroup | None, shard_mesh: Any = None) -> None:
     """Mark `model` (sharded by smp.sagemaker.transform) as answered here; set FSDP1's
-    `process_group` and `rank` attributes."""
-    setattr(model, _VIEW, Fsdp1View(process_group=process_group))
+    `process_group` and `rank` attributes (`shard_mesh`: that group's 1-D DeviceMesh)."""
+    setattr(model, _VIEW, Fsdp1View(process_group=process_group, shard_mesh=shard_mesh))
     model.process_group = process_group
     model.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
 
@@ -84,14 +89,45 @@ def _state_dict_type(original: Any, module: nn.Module, state_dict_type: StateDic
     view.full = full
     view.rank0_only = bool(getattr(state_dict_config, "rank0_only", False)) and full
     view.offload_to_cpu = bool(getattr(state_dict_config, "offload_to_cpu", False)) and full
-    if full:
-        module.state_dict = functools.partial(_full_state_dict, module, view)  # this instance only
+    _install(module, view)
     try:
         yield None
     finally:
         view.full, view.rank0_only, view.offload_to_cpu = view.depth.pop()
-        if not view.full and "state_dict" in module.__dict__:
-            del module.__dict__["state_dict"]
+        _install(module, view)
+
+
+def _install(module: nn.Module, view: Fsdp1View) -> None:
+    """This instance's `state_dict` / `load_state_dict` for the innermost state_dict_type block
+    (the class's own outside every block, and for a sharded one without tensor parallelism)."""
+    module.__dict__.pop("state_dict", None)
+    module.__dict__.pop("load_state_dict", None)
+    if not view.depth:
+        return
+    if view.full:
+        module.state_dict = functools.partial(_full_state_dict, module, view)
+    elif _per_tp_rank(view):
+        module.state_dict = functools.partial(_sliced_state_dict, module, view)
+        module.load_state_dict = functools.partial(_load_sliced_state_dict, module)
+
+
+def _per_tp_rank(view: Fsdp1View) -> bool:
+    """Whether this run's sharded state dicts hold per-TP-rank slices (tensor parallelism on)."""
+    import smp
+
+    return view.shard_mesh is not None and smp.is_initialized() and smp.state.tp_size > 1
+
+
+def _sliced_state_dict(model: nn.Module, view: Fsdp1View, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """SMP v2's sharded state dict under TP: each DTensor as this TP rank's slice."""
+    return state_to_slices(type(model).state_dict(model, *args, **kwargs), view.shard_mesh)
+
+
+def _load_sliced_state_dict(model: nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+    """`model.load_state_dict` of a state dict holding per-TP-rank slices (or the model's own)."""
+    own = type(model).state_dict(model)
+    restored = {k: from_slice(v, own[k]) if k in own else v for k, v in state_dict.items()}
+    return type(model).load_state_dict(model, restored, *args, **kwargs)
 
 
 def _full_state_dict(model: nn.Module, view: Fsdp1View, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -117,6 +153,8 @@ def _optim_state_dict(original: Any, model: nn.Module, optim: Any, optim_state_d
     if view is None:
         return original(model, optim, optim_state_dict, group)
     state = get_optimizer_state_dict(model, optim, options=_options(view))
+    if not view.full and _per_tp_rank(view):
+        state = state_to_slices(state, view.shard_mesh)
     if view.rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return state
@@ -132,8 +170,23 @@ def _optim_state_dict_to_load(original: Any, model: nn.Module, optim: Any, optim
     if _holds_sharded_tensors(optim_state_dict):
         optim_state_dict = _whole_from_sharded_tensors(optim_state_dict)
         options = StateDictOptions(full_state_dict=True, cpu_offload=view.offload_to_cpu)
+    elif not view.full and _per_tp_rank(view):
+        optim_state_dict = _from_slices(model, optim_state_dict)
     set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
     return optim.state_dict()
+
+
+def _from_slices(model: nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict of per-TP-rank slices put back on each parameter's layout."""
+    mine = {name: model.__dict__.pop(name) for name in ("state_dict", "load_state_dict") if name in model.__dict__}
+    try:  # DCP's helper calls model.state_dict(): the class's, not this block's slices
+        params = get_model_state_dict(model)  # FQN -> the sharded parameter (the optimizer's keys)
+    finally:
+        model.__dict__.update(mine)
+    state = {name: ({k: from_slice(v, params[name]) for k, v in per_param.items()}
+                    if name in params and isinstance(per_param, dict) else per_param)
+             for name, per_param in osd.get("state", {}).items()}
+    return {**osd, "state": state}
 
 
 def _holds_sharded_tensors(osd: Any) -> bool:
