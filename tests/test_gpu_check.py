@@ -12,7 +12,7 @@ from pathlib import Path
 from smp.gpu_check.offloading import copy_compute_overlap
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_ONLY = ("triton_kernels", "step_time", "activation_offloading")
+GPU_ONLY = ("triton_kernels", "step_time", "activation_offloading", "host_time")
 
 
 def _run(args: list[str], code: str | None = None) -> subprocess.CompletedProcess:
@@ -73,12 +73,15 @@ def test_a_failing_check_makes_the_command_fail(tmp_path):
 
 
 def test_overlap_fraction_of_a_trace(tmp_path):
-    # Compute kernels cover [0, 15); the copy runs over [12, 20): 3 of its 8 units overlap.
+    # Compute kernels (stream 7) cover [0, 15); the offloader's copy (stream 20) runs over [12, 20):
+    # 3 of its 8 units overlap. A copy on the compute stream (the loss read back, the optimizer) is
+    # not the offloader's and is left out; so is a device-to-device copy.
     trace = {"traceEvents": [
-        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 10},
-        {"cat": "kernel", "name": "gemm", "ts": 5, "dur": 10},
-        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 12, "dur": 8},
-        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 0, "dur": 8},  # not host<->device
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 10, "args": {"stream": 7}},
+        {"cat": "kernel", "name": "gemm", "ts": 5, "dur": 10, "args": {"stream": 7}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 12, "dur": 8, "args": {"stream": 20}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": 30, "dur": 50, "args": {"stream": 7}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 0, "dur": 8, "args": {"stream": 20}},
     ]}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))

@@ -27,12 +27,14 @@ STEPS = {
     "triton_kernels": ("smp.gpu_check.triton_kernels", True),
     "step_time": ("smp.gpu_check.step_time", True),
     "activation_offloading": ("smp.gpu_check.offloading", True),
+    "host_time": ("smp.gpu_check.host_time", True),
 }
 TITLES = {
     "device_checks": "World-1 device checks",
     "triton_kernels": "Triton kernels (smp_collectives)",
     "step_time": "Step time and MFU vs plain PyTorch",
     "activation_offloading": "Activation offloading on CUDA",
+    "host_time": "Host time per phase and planned vs measured memory",
 }
 SIZES = ("tiny", "1b")
 
