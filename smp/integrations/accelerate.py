@@ -203,9 +203,10 @@ def _adopt_model(adapted: _Adapted, model: nn.Module) -> None:
     if model in adapted.models:
         return
     adapted.models.append(model)
-    # `unwrap_model(model)` is the model itself: its save_pretrained exports the sharded model.
-    model.save_pretrained = functools.partial(_save_pretrained, model, type(model).save_pretrained.__get__(model)) \
-        if hasattr(type(model), "save_pretrained") else functools.partial(_save_pretrained, model, None)
+    # `unwrap_model(model)` is the model itself: its save_pretrained exports the sharded model
+    # (transformers' own, kept for a given whole state_dict; a pipelined model has none).
+    own = getattr(type(model), "save_pretrained", None)
+    model.save_pretrained = functools.partial(_save_pretrained, model, None if own is None else own.__get__(model))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -377,9 +378,8 @@ def _optimizer_of(adapted: _Adapted, model: nn.Module) -> torch.optim.Optimizer 
 def _save_state_hook(adapted: _Adapted, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
     """accelerate's save pre-hook: each smp model with its optimizer as an smp checkpoint in
     `<output_dir>/smp_model[_i]`, its entry taken out of the weights accelerate writes."""
-    saved = {id(o) for m in models if is_smp_model(m) for o in [_optimizer_of(adapted, m)] if o is not None}
-    missing = [o for o in adapted.optimizers if id(o.optimizer) not in saved]
-    if missing:  # its model is not in accelerator._models (released by free_memory?)
+    with_model = {id(_optimizer_of(adapted, m)) for m in models if is_smp_model(m)}
+    if any(id(o.optimizer) not in with_model for o in adapted.optimizers):  # its model left the list (free_memory)
         raise ConfigError(
             "accelerator.save_state: an optimizer of an smp model is prepared but its model is not among the "
             "accelerator's models; prepare the model again with accelerator.prepare(model)"
