@@ -144,7 +144,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     dims = ParallelDims.from_config(cfg, args.world_size)
     print(f"config {args.config}: valid")
-    print(f"mesh: {dims.describe()} (axes dp_replicate x dp_shard x tp, outermost first)")
+    print(f"mesh: {dims.describe()} (axes {' x '.join(dims.mesh_dim_names)}, outermost first; size 1 when off)")
     print("smp.transform would apply:")
     for line in describe_recipe(cfg, dims):
         print(f"  {line}")

@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from smp.composition import CONTEXT_PARALLEL_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_config  # noqa: F401 - re-exported
 from smp.config_file import parse_json_config, read_config_file
 from smp.errors import ConfigError  # raised by load_config; importable from here too
 
@@ -245,11 +246,8 @@ PIPELINE_SCHEDULE_ALIASES = {"simple": "gpipe", "interleaved": "1f1b"}
 # 2p-1-r on rank r); the others loop stages r, r+p, r+2p, ... over the ranks.
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
-# Schedules that split each backward into input- and weight-gradient halves (torch refuses them
-# under torch.compile).
-SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-# Schedules proven equal to one process under context parallel (tests/test_pipeline_cp.py).
-CONTEXT_PARALLEL_SCHEDULES = ("gpipe", "1f1b")
+# SPLIT_BACKWARD_SCHEDULES (torch refuses them under torch.compile) and CONTEXT_PARALLEL_SCHEDULES
+# (proven under context parallel) live in smp/composition.py, whose table reads them.
 
 
 class PipelineConfig(_Strict):
@@ -433,70 +431,16 @@ class SMPConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _expert_parallel_composes(self) -> "SMPConfig":
-        # Selective checkpointing replays cached op outputs by invocation order; the dispatch's
-        # data-dependent collectives break that order (full checkpointing recomputes them).
-        if self.expert_parallel_degree > 1 and self.activation_checkpointing.mode == "selective":
-            raise ValueError(
-                "expert_parallel_degree > 1 with activation_checkpointing 'selective' is not supported "
-                "by smp; use 'full' or 'none'"
-            )
+    def _pipeline_fits(self) -> "SMPConfig":
+        if self.pipeline_parallel_degree > 1:
+            check_pipeline(self.pipeline, self.pipeline_parallel_degree)
         return self
 
     @model_validator(mode="after")
-    def _pipeline_composes(self) -> "SMPConfig":
-        pp, pipe = self.pipeline_parallel_degree, self.pipeline
-        if pp == 1:
-            return self
-        check_pipeline(pipe, pp)
-        degrees = (
-            f"pipeline_parallel_degree={pp}, tensor_parallel_degree={self.tensor_parallel_degree}, "
-            f"context_parallel_degree={self.context_parallel_degree}, "
-            f"expert_parallel_degree={self.expert_parallel_degree}"
-        )
-        if self.context_parallel_degree > 1:
-            # smp.pipeline.step cuts each row for the cp rank once and hands every stage the
-            # chunks' global positions, the loss the targets shifted over the whole row. Proven
-            # (equal to one process) for the schedules below with no tensor / expert parallelism
-            # beside it; the rest stays refused until a test shows it exact.
-            if pipe.schedule not in CONTEXT_PARALLEL_SCHEDULES:
-                raise ValueError(
-                    f"context_parallel_degree > 1 with pipeline schedule {pipe.schedule!r} is not supported "
-                    f"({degrees}): smp has proven context parallel under pipeline parallelism for "
-                    f"{sorted(CONTEXT_PARALLEL_SCHEDULES)} only; set pipeline.schedule to one of them"
-                )
-            for key, degree in (("tensor_parallel_degree", self.tensor_parallel_degree),
-                                ("expert_parallel_degree", self.expert_parallel_degree)):
-                if degree > 1:
-                    raise ValueError(
-                        f"context_parallel_degree > 1 with pipeline_parallel_degree > 1 and {key} > 1 is not "
-                        f"supported ({degrees}): smp has proven pipeline x context parallel alone only; set "
-                        f"{key}: 1, context_parallel_degree: 1 or pipeline_parallel_degree: 1"
-                    )
-        tp = self.tensor_parallel
-        for key, on, why in (
-            ("sequence_parallel", tp.sequence_parallel,
-             "stages before the last hold no output head to gather the sequence back"),
-            ("loss_parallel", tp.loss_parallel,
-             "the schedule computes the loss on the last stage outside smp.tensor_parallel.loss_parallel()"),
-        ):
-            if self.tensor_parallel_degree > 1 and on:
-                raise ValueError(
-                    f"tensor_parallel.{key}: true with pipeline_parallel_degree={pp} is not supported ({degrees}): "
-                    f"{why}; set tensor_parallel.{key}: false"
-                )
-        if self.moe.moe_load_balancing == "aux_loss":
-            raise ValueError(
-                f"moe.moe_load_balancing 'aux_loss' with pipeline_parallel_degree={pp} is not supported: the "
-                f"load-balancing loss multiplies router statistics summed over every MoE layer and the whole "
-                f"batch, which lie on different stages and micro-batches; set moe: {{moe_load_balancing: none}}"
-            )
-        if self.compile.enabled and pipe.schedule in SPLIT_BACKWARD_SCHEDULES:
-            raise ValueError(
-                f"pipeline.schedule {pipe.schedule!r} splits each backward into input and weight halves, "
-                f"which torch does not support under torch.compile; set compile: false or pick "
-                f"gpipe / 1f1b / interleaved_1f1b / looped_bfs"
-            )
+    def _composes(self) -> "SMPConfig":
+        # Which features combine is one table (smp/composition.py); what needs the world size
+        # is checked against it by ParallelDims.from_config.
+        check_config(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,27 +1,28 @@
 """ParallelDims: the config's degrees turned into one named DeviceMesh, validated once.
 
-Mesh axes, outermost first: ("dp_replicate", "dp_shard", "tp"). TP is innermost so that a
-tensor-parallel group sits on adjacent ranks (one host, the fastest links); replication is
-outermost so that only the gradient all-reduce of HSDP crosses the slowest links.
+Every axis always exists, size 1 when its parallelism is off (torchtitan's ParallelDims): the
+mesh is pp x dp_replicate x dp_shard_mod_ep x ep x cp x tp, outermost first, and a lookup
+(`mesh["cp"]`, `smp.state.ep_rank`) never finds an axis missing. A caller branches on a degree
+only where a degree of 1 means "no collective to run", never on whether an axis exists.
 
-Context parallel (cp > 1) adds a "cp" axis between dp_shard and tp: world = dp_replicate x
-dp_shard x cp x tp. The cp ranks come out of the data-parallel ranks (world / tp): a cp group
-shares its batch rows ("dp" = dp_replicate x dp_shard still says which rows a rank gets) and
-FSDP shards over dp_shard x cp together ("dp_shard_cp", torchtitan's layout), so gradients are
-reduced over every rank that saw part of the batch. hybrid_shard_degree counts that shard group,
-cp included. With cp = 1 the mesh is the 3-D one, unchanged.
+- tp is innermost, so that a tensor-parallel group sits on adjacent ranks (one host, the
+  fastest links); replication is outermost among the data-parallel axes, so that only HSDP's
+  gradient all-reduce crosses the slowest links.
+- pp is outermost (torchtitan's order): only activations cross it, once per micro-batch and
+  stage boundary. Every other axis is sliced within one stage: mesh["dp_shard"] on a rank is its
+  stage's FSDP group.
+- cp ranks come out of the data-parallel ranks (world / tp): a cp group shares its batch rows
+  ("dp" = dp_replicate x dp_shard says which rows a rank gets) and FSDP shards over dp_shard x cp
+  together ("dp_shard_cp", torchtitan's layout), so gradients are reduced over every rank that saw
+  part of the batch. hybrid_shard_degree counts that shard group, cp included.
+- ep borrows its ranks from dp_shard, as torchtitan and Megatron do: "dp_shard" is a view, the
+  flattened (dp_shard_mod_ep, ep), so non-expert parameters are FSDP-sharded over every
+  data-parallel rank while expert parameters (split over "ep") are FSDP-sharded over what is
+  left (`expert_fsdp_mesh`). ep is innermost in dp_shard: the all-to-alls stay on adjacent ranks.
 
-Expert parallel (ep > 1) borrows its ranks from dp_shard, as torchtitan and Megatron do: the
-mesh is dp_replicate x dp_shard_mod_ep x ep x tp, and "dp_shard" is the flattened
-(dp_shard_mod_ep, ep), so non-expert parameters are FSDP-sharded over every data-parallel rank
-as before while expert parameters (split over "ep") are FSDP-sharded over what is left
-(`expert_fsdp_mesh`). ep is innermost in dp_shard: the all-to-alls stay on adjacent ranks.
-
-Pipeline parallel (pp > 1) adds a "pp" axis outermost (torchtitan's order): world = pp x
-dp_replicate x dp_shard x cp x tp. Only activations cross it, once per micro-batch and stage
-boundary, so it is the axis that best tolerates the slowest links (between nodes). Every other
-axis is sliced within one stage: mesh["dp_shard"] on a rank is its stage's FSDP group. With pp = 1
-the mesh has no "pp" axis, as before.
+The views (flattened axes), each always present too: "dp_shard" = dp_shard_mod_ep x ep,
+"dp" = dp_replicate x dp_shard (data loading, loss averaging), "dp_shard_cp" = dp_shard x cp
+(FSDP's shard group).
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from smp._compat import flatten_mesh
-from smp.config import SPLIT_BACKWARD_SCHEDULES, ConfigError, SMPConfig
+from smp.composition import check_world
+from smp.config import ConfigError, SMPConfig
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+# name -> the axes it flattens, in the order they are built (a view may flatten an earlier view)
+MESH_VIEWS = {"dp_shard": ("dp_shard_mod_ep", "ep"), "dp": ("dp_replicate", "dp_shard"),
+              "dp_shard_cp": ("dp_shard", "cp")}
 
 
 @dataclass(frozen=True)
@@ -100,33 +105,15 @@ class ParallelDims:
         else:
             dp_shard, dp_replicate = hybrid // cp, dp // hybrid
         ep = config.expert_parallel_degree
-        if ep > 1 and (tp > 1 or cp > 1):
-            raise ConfigError(
-                f"expert_parallel_degree={ep} with tensor_parallel_degree={tp} / context_parallel_"
-                f"degree={cp} > 1 is not supported by smp (SMP v2 cannot combine them either); "
-                f"set tensor_parallel_degree and context_parallel_degree to 1 ({degrees})"
-            )
         if dp_shard % ep:
             raise ConfigError(
                 f"expert_parallel_degree={ep} does not divide the data-parallel shard size {dp_shard} "
                 f"({degrees}); expert-parallel ranks come out of the sharded data-parallel ranks: "
                 f"choose an expert_parallel_degree that divides {dp_shard}"
             )
-        schedule = config.pipeline.schedule
-        resharded = "reshard_after_forward" in config.model_fields_set and config.reshard_after_forward is not False
-        if pp > 1 and dp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES and resharded:
-            # The weight half of a micro-batch's backward can run after a later micro-batch's
-            # forward resharded the unit: its gradients then miss FSDP's reduction (measured:
-            # gradients off by 3e-2 at PP 2 x FSDP 2, dualpipev). Kept gathered through the step
-            # (smp's default under pp) they are exact.
-            raise ConfigError(
-                f"pipeline.schedule {schedule!r} with {dp} data-parallel ranks per stage and "
-                f"reshard_after_forward={config.reshard_after_forward!r} is not supported ({degrees}): the "
-                f"schedule runs each micro-batch's weight gradients after later forwards, when FSDP has "
-                f"resharded the parameters they belong to; leave reshard_after_forward unset (false under "
-                f"pipeline parallelism) or pick gpipe / 1f1b / interleaved_1f1b / looped_bfs"
-            )
-        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=full_world, cp=cp, ep=ep, pp=pp)
+        dims = cls(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=full_world, cp=cp, ep=ep, pp=pp)
+        check_world(config, dims)  # what composes at this world size: smp/composition.py
+        return dims
 
     @property
     def dp(self) -> int:
@@ -134,19 +121,17 @@ class ParallelDims:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        pp = ("pp",) if self.pp > 1 else ()
-        if self.ep > 1:
-            return pp + ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
-        return pp + (MESH_DIM_NAMES if self.cp == 1 else ("dp_replicate", "dp_shard", "cp", "tp"))
+        return MESH_DIM_NAMES
 
     @property
     def shape(self) -> tuple[int, ...]:
-        pp = (self.pp,) if self.pp > 1 else ()
-        if self.ep > 1:
-            return pp + (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
-        if self.cp == 1:
-            return pp + (self.dp_replicate, self.dp_shard, self.tp)
-        return pp + (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+
+    def size(self, axis: str) -> int:
+        """The size of mesh axis or view `axis` (a name of MESH_DIM_NAMES or MESH_VIEWS)."""
+        if axis in MESH_VIEWS:
+            return self.size(MESH_VIEWS[axis][0]) * self.size(MESH_VIEWS[axis][1])
+        return self.shape[MESH_DIM_NAMES.index(axis)]
 
     def describe(self) -> str:
         pp = f"pp {self.pp} x " if self.pp > 1 else ""
@@ -158,26 +143,21 @@ class ParallelDims:
         )
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The mesh, and its flattened data-parallel axis "dp" (data loading, loss averaging).
-        With cp > 1 also the flattened FSDP axis "dp_shard_cp" (see `fsdp_mesh`)."""
+        """The mesh with every axis and view of MESH_DIM_NAMES / MESH_VIEWS, and its view "dp"."""
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.mesh_dim_names)
-        if self.ep > 1:
-            flatten_mesh(mesh, ("dp_shard_mod_ep", "ep"), "dp_shard")
-        dp_mesh = flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
-        if self.cp > 1:
-            flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
-        return mesh, dp_mesh
+        views = {name: flatten_mesh(mesh, axes, name) for name, axes in MESH_VIEWS.items()}
+        return mesh, views["dp"]
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims, replicas_by_hook: bool = False) -> DeviceMesh:
     """The mesh FSDP shards over: 2-D (replicate, shard) for native HSDP, else 1-D shard. With
     `replicas_by_hook` smp's all-reduce hook, not FSDP, syncs the replicas (see
     smp/sharding/gradient_sync.py): 1-D shard too. Every replica holds identical parameters.
-    Under context parallel "shard" is dp_shard x cp: a cp group's gradients are partial sums."""
-    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    "Shard" is dp_shard x cp: under context parallel a cp group's gradients are partial sums.
+    (A replicate axis of size 1 is left out: FSDP then shards 1-D, not HSDP over one replica.)"""
     if dims.dp_replicate > 1 and not replicas_by_hook:
-        return mesh[("dp_replicate", shard)]
-    return mesh[shard]
+        return mesh[("dp_replicate", "dp_shard_cp")]
+    return mesh["dp_shard_cp"]
 
 
 def expert_fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

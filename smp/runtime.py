@@ -79,7 +79,7 @@ class _State:
     # different chunks of each sequence; cp_rank says which chunks.
     @cached_property
     def cp_rank(self) -> int:
-        return self.mesh["cp"].get_local_rank() if self.dims.cp > 1 else 0
+        return self.mesh["cp"].get_local_rank()
 
     @property
     def cp_size(self) -> int:
@@ -93,27 +93,20 @@ class _State:
     def dp_replicate_rank(self) -> int:
         return self.mesh["dp_replicate"].get_local_rank()
 
-    # Expert parallel: the ep axis, when the mesh has one.
-    def _axis(self, name: str) -> DeviceMesh | None:
-        """The mesh axis `name`, or None when this run's mesh has none (its degree is then 1)."""
-        return self.mesh[name] if name in (self.mesh.mesh_dim_names or ()) else None
-
+    # Expert parallel: ranks of one ep group hold different experts (the "ep" axis, inside dp_shard).
     @cached_property
     def ep_rank(self) -> int:
-        axis = self._axis("ep")
-        return 0 if axis is None else axis.get_local_rank()
+        return self.mesh["ep"].get_local_rank()
 
-    @cached_property
+    @property
     def ep_size(self) -> int:
-        axis = self._axis("ep")
-        return 1 if axis is None else axis.size()
+        return self.dims.ep
 
     # Pipeline parallel: which stage(s) this rank holds (the "pp" axis, outermost; SMP v1 named
     # them smp.pp_rank() / smp.pp_size()). Ranks of one stage share pp_rank.
     @cached_property
     def pp_rank(self) -> int:
-        axis = self._axis("pp")
-        return 0 if axis is None else axis.get_local_rank()
+        return self.mesh["pp"].get_local_rank()
 
     @property
     def pp_size(self) -> int:
@@ -260,7 +253,6 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
         scope=_scope.open_session(f"session (rank {rank})"),
     )
     seed_everything(cfg.random_seed)
-    _agree_on_run_id()
     if accelerate is not None:  # the script's Accelerator(s) run on smp until shutdown
         accelerate.start(world_size)
     return _STATE
@@ -292,18 +284,6 @@ def _accelerate_integration() -> Any:
     from smp.integrations import accelerate
 
     return accelerate
-
-
-def _agree_on_run_id() -> None:
-    """Every rank names the same checkpoint run (smp/checkpointing/run.py); a difference is a
-    ConfigError on every rank, and the session closes again."""
-    from smp.checkpointing import run  # here: smp.checkpointing reaches smp.runtime
-
-    try:
-        run.agree()
-    except ConfigError:
-        shutdown()
-        raise
 
 
 def shutdown() -> None:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from smp import runtime
+from smp import composition, runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
 from smp.anatomy import describe
 from smp.compile import apply_compile
@@ -51,10 +50,6 @@ def transform(
         load_hf(weights, model, device=torch.device("cpu") if st.config.cpu_offload else st.device)
         return model
     if st.dims.pp == 1:
-        from smp.checkpointing.hf import eager_load_note  # the whole model on every rank: say what it cost
-
-        if st.rank == 0 and (note := eager_load_note(model, st.dims.world_size // st.dims.dp_replicate)):
-            logging.getLogger("smp").info(note)
         return apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan,
                                  materialize=materialize, moe_config=moe_config)
     # 0. Pipeline first: the model is split into stages, and each stage of this rank then goes
@@ -98,11 +93,10 @@ def _check_router_loss(model: nn.Module, moe: MoEConfig, pp: int) -> None:
     if not hasattr(hf_config, "output_router_logits"):
         return  # no transformers load-balancing loss (apply_load_balancing says so if one is asked for)
     if moe.moe_load_balancing == "aux_loss" or (moe.moe_load_balancing is None and hf_config.output_router_logits):
+        refused = composition.row("aux_loss", "pp")  # the config's own switch is refused by the table alone
         raise ConfigError(
             f"{type(model).__name__} adds a load-balancing loss (config.output_router_logits=True), which "
-            f"pipeline_parallel_degree={pp} cannot give exactly: it multiplies router statistics summed "
-            f"over every MoE layer and the whole batch, which lie on different stages and micro-batches; "
-            f"turn it off (moe: {{moe_load_balancing: none}})"
+            f"pipeline_parallel_degree={pp} cannot give exactly: {refused.reason}; {refused.fix}"
         )
 
 
@@ -149,7 +143,8 @@ def apply_parallelism(
     #     over data-parallel ranks (EP or not) its router statistics are summed over them first.
     apply_load_balancing(
         model, mesh["dp"].get_group() if dims.dp > 1 else None, moe.moe_load_balancing, moe.moe_aux_loss_coeff,
-        unsupported=f"context_parallel_degree={dims.cp} splits each row's tokens" if dims.cp > 1 else None,
+        unsupported=(f"context_parallel_degree={dims.cp}: {composition.row('aux_loss', 'cp').reason}"
+                     if dims.cp > 1 else None),
     )
     blocks = anatomy.block_modules(model)
     # 2. Activation checkpointing / offloading wrap the blocks before FSDP sees them, so that

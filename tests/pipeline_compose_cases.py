@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 import smp
-import smp.mesh
+import smp.composition
 import smp.pipeline
 from smp.testing.distributed import full_tensor, world_mean
 from smp.testing.models import random_batch
@@ -63,9 +63,9 @@ def compose(config: dict, kind: str = "llama", steps: int = 2, padded: bool = Fa
     TP group's ranks different rows; "microbatch_mean" averages per-micro-batch means (wrong when
     micro-batches hold different target counts); "resharded" runs a split-backward schedule with
     FSDP resharding after forward, past the config check that refuses it."""
-    saved_schedules = smp.mesh.SPLIT_BACKWARD_SCHEDULES
-    if broken == "resharded":
-        smp.mesh.SPLIT_BACKWARD_SCHEDULES = ()
+    saved_table = smp.composition.REFUSED
+    if broken == "resharded":  # the table's row that refuses it, left out
+        smp.composition.REFUSED = tuple(r for r in saved_table if "reshard" not in r.features)
     try:
         with smp.session(config):
             torch.manual_seed(smp.state.config.random_seed)
@@ -75,7 +75,7 @@ def compose(config: dict, kind: str = "llama", steps: int = 2, padded: bool = Fa
             report["sharded_over"] = _sharded_axes(model)
             return report
     finally:
-        smp.mesh.SPLIT_BACKWARD_SCHEDULES = saved_schedules
+        smp.composition.REFUSED = saved_table
 
 
 def _compare(model, reference, steps: int, padded: bool, broken: str | None) -> dict:

@@ -118,12 +118,13 @@ def test_file_errors(tmp_path):
 @pytest.mark.parametrize(
     "world,config,shape",
     [
-        (8, {}, (1, 8, 1)),
-        (8, {"hybrid_shard_degree": 1}, (8, 1, 1)),
-        (8, {"hybrid_shard_degree": 2}, (4, 2, 1)),
-        (8, {"tensor_parallel_degree": 2}, (1, 4, 2)),
-        (8, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, (2, 2, 2)),
-        (1024, {"tensor_parallel_degree": 8, "hybrid_shard_degree": 64}, (2, 64, 8)),
+        # (pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp): every axis, size 1 when off
+        (8, {}, (1, 1, 8, 1, 1, 1)),
+        (8, {"hybrid_shard_degree": 1}, (1, 8, 1, 1, 1, 1)),
+        (8, {"hybrid_shard_degree": 2}, (1, 4, 2, 1, 1, 1)),
+        (8, {"tensor_parallel_degree": 2}, (1, 1, 4, 1, 1, 2)),
+        (8, {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}, (1, 2, 2, 1, 1, 2)),
+        (1024, {"tensor_parallel_degree": 8, "hybrid_shard_degree": 64}, (1, 2, 64, 1, 1, 8)),
     ],
 )
 def test_parallel_dims(world, config, shape):

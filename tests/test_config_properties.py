@@ -11,6 +11,7 @@ Example counts are small so that the file runs in a few seconds.
 from __future__ import annotations
 
 import json
+import math
 import string
 import tempfile
 from pathlib import Path
@@ -193,7 +194,7 @@ def test_every_divisor_layout_is_valid(world, data):
     dims = ParallelDims.from_config(
         load_config({"tensor_parallel_degree": tp, "hybrid_shard_degree": hybrid}), world
     )
-    assert dims.shape[0] * dims.shape[1] * dims.shape[2] == world
+    assert math.prod(dims.shape) == world
 
 
 # ----------------------------------------------------------------------------------------------

@@ -229,8 +229,8 @@ def test_degree_errors_list_every_degree():
     with pytest.raises(ConfigError, match="does not divide the data-parallel shard size 2"):
         ParallelDims.from_config(load_config({"expert_parallel_degree": 4, "hybrid_shard_degree": 2}), 4)
     dims = ParallelDims.from_config(load_config({"expert_parallel_degree": 2, "hybrid_shard_degree": 2}), 8)
-    assert dims.mesh_dim_names == ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
-    assert dims.shape == (4, 1, 2, 1) and dims.dp == 8
+    assert dims.mesh_dim_names == ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+    assert dims.shape == (1, 4, 1, 2, 1, 1) and dims.dp == 8
 
 
 @pytest.mark.parametrize(

@@ -117,8 +117,8 @@ def test_parameter_bytes_per_rank(ranks, world, config, shard):
 def test_state_describes_mesh(ranks):
     states = ranks(4).run(dist_cases.describe_state, config={"hybrid_shard_degree": 2})
     assert [s["dp_rank"] for s in states] == [0, 1, 2, 3]
-    assert all(s["shape"] == (2, 2, 1) and s["dp_size"] == 4 for s in states)
-    assert states[0]["mesh_names"] == ("dp_replicate", "dp_shard", "tp")
+    assert all(s["shape"] == (1, 2, 2, 1, 1, 1) and s["dp_size"] == 4 for s in states)
+    assert states[0]["mesh_names"] == ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 
 def test_bad_degree_fails_before_collectives(ranks):

@@ -66,7 +66,7 @@ def test_composed_and_refused_degrees():
     # CP under a schedule not proven with it is refused.
     for key in ("tensor_parallel_degree", "expert_parallel_degree", "context_parallel_degree"):
         assert getattr(load_config({**PP2, key: 2}), key) == 2
-    with pytest.raises(smp.ConfigError, match="context_parallel_degree > 1 with pipeline schedule"):
+    with pytest.raises(smp.ConfigError, match="context_parallel_degree=2 with pipeline schedule 'interleaved_1f1b' is not supported"):
         load_config({**PP2, "context_parallel_degree": 2, "pipeline": "interleaved_1f1b"})
     with pytest.raises(smp.ConfigError, match="torch.compile"):
         load_config({**PP2, "compile": True, "pipeline": {"schedule": "zbv_zero_bubble"}})
@@ -86,11 +86,11 @@ def test_microbatches_must_divide_the_batch():
 def test_mesh_pp_outermost():
     dims = ParallelDims.from_config(load_config({**PP2, "hybrid_shard_degree": 2}), 8)
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.world_size) == (2, 2, 2, 1, 8)
-    assert dims.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
-    assert dims.shape == (2, 2, 2, 1)
+    assert dims.mesh_dim_names == ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+    assert dims.shape == (2, 2, 2, 1, 1, 1)
     assert dims.describe() == "world 8 = pp 2 x dp_replicate 2 x dp_shard 2 x tp 1"
     plain = ParallelDims.from_config(load_config({}), 8)
-    assert plain.mesh_dim_names == ("dp_replicate", "dp_shard", "tp") and plain.pp == 1  # unchanged without pp
+    assert plain.shape == (1, 1, 8, 1, 1, 1) and plain.mesh_dim_names == dims.mesh_dim_names  # every axis, always
 
 
 def test_mesh_errors_name_every_degree():

@@ -52,8 +52,8 @@ def test_step_refusals_under_cp(ranks):
 
 @pytest.mark.parametrize("extra, match", [
     ({"pipeline": "interleaved_1f1b"}, "pipeline schedule 'interleaved_1f1b' is not supported"),
-    ({"tensor_parallel_degree": 2}, "tensor_parallel_degree > 1 is not supported"),
-    ({"expert_parallel_degree": 2}, "expert_parallel_degree > 1 is not supported"),
+    ({"tensor_parallel_degree": 2}, "tensor_parallel_degree=2 is not supported"),
+    ({"expert_parallel_degree": 2}, "expert_parallel_degree=2 with context_parallel_degree=2 is not supported"),
 ])
 def test_unproven_compositions_are_refused(extra, match):
     with pytest.raises(smp.ConfigError, match=match):

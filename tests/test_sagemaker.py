@@ -38,8 +38,8 @@ def clean_env(monkeypatch):
 # --- the ported script --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world, mp_parameters, mesh", [
-    (2, {"tensor_parallel_degree": 2, "sm_activation_offloading": False}, [1, 1, 2]),
-    (4, {"hybrid_shard_degree": 2, "sm_activation_offloading": False}, [2, 2, 1]),
+    (2, {"tensor_parallel_degree": 2, "sm_activation_offloading": False}, [1, 1, 1, 1, 1, 2]),
+    (4, {"hybrid_shard_degree": 2, "sm_activation_offloading": False}, [1, 2, 2, 1, 1, 1]),
 ], ids=["world2-tp2", "world4-hsdp2x2"])
 def test_ported_script_trains_like_the_native_api(ranks, world, mp_parameters, mesh):
     pool = ranks(world)
@@ -67,8 +67,8 @@ def test_sm_hp_mp_parameters_changes_the_mesh(ranks):
     pool = ranks(2)
     plain = pool.run(cases.ported_script, mp_parameters=None, argv=["--max_steps", "1"])
     tp = pool.run(cases.ported_script, mp_parameters='{"tensor_parallel_degree": 2}', argv=["--max_steps", "1"])
-    assert [r["mesh"] for r in plain] == [[1, 2, 1]] * 2 and [r["dp_rank"] for r in plain] == [0, 1]
-    assert [r["mesh"] for r in tp] == [[1, 1, 2]] * 2 and [r["dp_rank"] for r in tp] == [0, 0]
+    assert [r["mesh"] for r in plain] == [[1, 1, 2, 1, 1, 1]] * 2 and [r["dp_rank"] for r in plain] == [0, 1]
+    assert [r["mesh"] for r in tp] == [[1, 1, 1, 1, 1, 2]] * 2 and [r["dp_rank"] for r in tp] == [0, 0]
 
 
 def test_async_save_and_load_resume_the_script(ranks, tmp_path):

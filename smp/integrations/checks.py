@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from smp.composition import check_run
 from smp.config import SMPConfig
 from smp.errors import ConfigError
 
@@ -18,19 +19,10 @@ def _env_flag(name: str) -> bool:
 
 
 def check_no_pipeline(cfg: SMPConfig) -> None:
-    """Refuse pipeline parallelism under the Trainer. Its training step runs the whole model's
-    forward on every rank (compute_loss, then backward on the loss) and its evaluation calls the
-    model; a pipelined model holds one stage per rank and trains only through
-    smp.pipeline.step, which runs forward and backward of every micro-batch at once."""
-    if cfg.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            f"SMPTrainer does not support pipeline_parallel_degree={cfg.pipeline_parallel_degree}: the "
-            "Trainer runs the whole model's forward on every rank (compute_loss, prediction_step), while a "
-            "pipelined model holds one stage per rank and trains only through smp.pipeline.step(model, "
-            "input_ids, labels). Set pipeline_parallel_degree: 1 (FSDP / tensor parallel work with the "
-            "Trainer), or train with pipeline parallelism in a plain loop such as "
-            "examples/finetune_causal_lm.py (docs/pipeline-parallel.md)"
-        )
+    """Refuse what smp/composition.py refuses under the Trainer: pipeline parallelism (its training
+    step runs the whole model's forward on every rank, and its evaluation calls the model; a
+    pipelined model holds one stage per rank and trains only through smp.pipeline.step)."""
+    check_run(cfg, ("trainer",))  # the table's row for the Trainer with pipeline parallel
 
 
 def check_training_arguments(args: Any, cfg: SMPConfig, *, is_peft: bool, has_model_init: bool) -> None:
@@ -70,9 +62,4 @@ def check_training_arguments(args: Any, cfg: SMPConfig, *, is_peft: bool, has_mo
         )
     if has_model_init:
         raise ConfigError("Trainer `model_init` is not supported with smp_config: pass the model itself")
-    if is_peft and cfg.tensor_parallel_degree > 1:
-        raise ConfigError(
-            f"a PEFT (LoRA) model and the smp config's tensor_parallel_degree={cfg.tensor_parallel_degree}: "
-            "LoRA adapters are not tensor-parallel in smp; use tensor_parallel_degree: 1 (FSDP / hybrid "
-            "sharding shards the base model and the adapters)"
-        )
+    check_run(cfg, ("trainer", "peft") if is_peft else ("trainer",))  # what composes: smp/composition.py

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from smp.composition import row
 from smp.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineConfig, check_pipeline
 from smp.context_parallel.attention import ContextParallelSetup, active as active_context_parallel
 from smp.context_parallel.sharding import check_sequence_length, chunk_positions, shift_labels
@@ -430,12 +431,12 @@ def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: 
             f"causal LMs (their stages take global position_ids); a plain nn.Module's stages have no way to be "
             f"told where their chunk of each row sits. Set context_parallel_degree: 1 or pipeline_parallel_degree: 1"
         )
-    if model.dp_group is not None:
+    if model.dp_group is not None:  # smp.init refuses it first (smp/composition.py); a hand-built pipeline here
+        refused = row("pp", "cp", "dp")
         raise ConfigError(
             f"context_parallel_degree={setup.size} with pipeline_parallel_degree > 1 and "
-            f"{dist.get_world_size(model.dp_group)} data-parallel ranks per stage is not supported: smp has proven "
-            f"pipeline x context parallel with one data-parallel rank only; make pipeline_parallel_degree x "
-            f"context_parallel_degree the world size, or set context_parallel_degree: 1"
+            f"{dist.get_world_size(model.dp_group)} data-parallel ranks per stage is not supported: "
+            f"{refused.reason}; {refused.fix}"
         )
     if loss_fn is not None:
         raise UsageError(

@@ -17,14 +17,9 @@ from smp.sagemaker._guide import section
 from smp.sagemaker.ranker import Ranker
 
 
-def _axis(st: Any, name: str) -> Any:
-    """The mesh axis `name`, or None when this run's mesh has none (its degree is then 1)."""
-    return st.mesh[name] if name in (st.mesh.mesh_dim_names or ()) else None
-
-
-def _cp_process_group(st: Any) -> dist.ProcessGroup | None:  # None without a "cp" axis
-    axis = _axis(st, "cp")
-    return None if axis is None else axis.get_group()
+def _cp_process_group(st: Any) -> dist.ProcessGroup | None:
+    """SMP v2 gives None without context parallel (smp's "cp" axis then has size 1)."""
+    return st.mesh["cp"].get_group() if st.cp_size > 1 else None
 
 
 def _rep_rank_process_group(st: Any) -> dist.ProcessGroup:

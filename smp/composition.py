@@ -1,0 +1,251 @@
+"""Which features compose: one table, read by every check that refuses a combination.
+
+A *feature* is one thing a run turns on (tensor parallel, a pipeline schedule that splits each
+backward, the router's load-balancing loss, the Trainer, ...), read off the config, the mesh
+(`ParallelDims`) or where smp runs. `REFUSED` lists the feature sets smp cannot make equal to the
+one-process run, each with the reason, the fix and the test that shows it; `PROVEN` lists the
+combinations a test proves equal to one process. A set holding a refused set is refused; the
+rest is allowed.
+
+The checks read the table instead of deciding themselves: the config's validators
+(`check_config`, before anything runs: `load_config`, `smp check`), `ParallelDims.from_config`
+(`check_world`: what depends on the world size, at `smp.init` / `smp check` / `smp plan`), the
+Trainer integration, and the checks that need the model (the router loss under pipeline
+parallel, under context parallel) take their decision's message from here (`message`).
+docs/composition.md's table is generated from it (`markdown_table`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from smp.errors import ConfigError
+
+# Schedules that split each backward into input- and weight-gradient halves (torch refuses them
+# under torch.compile).
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+# Schedules proven equal to one process under context parallel (tests/test_pipeline_cp.py).
+CONTEXT_PARALLEL_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    where: str  # "config": read off the config alone; "world": needs the mesh; "run": how smp is run
+    on: Callable[[Any, Any], bool]  # (config, dims or None) -> whether this run has it
+    setting: Callable[[Any, Any], str]  # how the user turned it on, for messages
+    example: dict  # the smallest config turning it on (tests/test_composition.py enumerates these)
+
+
+def _degree(key: str) -> tuple[Callable[[Any, Any], bool], Callable[[Any, Any], str]]:
+    return (lambda c, d: getattr(c, key) > 1), (lambda c, d: f"{key}={getattr(c, key)}")
+
+
+def _pp(c: Any) -> bool:
+    return c.pipeline_parallel_degree > 1
+
+
+FEATURES = {f.name: f for f in (
+    Feature("tp", "config", *_degree("tensor_parallel_degree"), {"tensor_parallel_degree": 2}),
+    Feature("sp", "config", lambda c, d: c.tensor_parallel_degree > 1 and c.tensor_parallel.sequence_parallel,
+            lambda c, d: "tensor_parallel.sequence_parallel: true",
+            {"tensor_parallel_degree": 2, "tensor_parallel": {"sequence_parallel": True}}),
+    Feature("loss_parallel", "config", lambda c, d: c.tensor_parallel_degree > 1 and c.tensor_parallel.loss_parallel,
+            lambda c, d: "tensor_parallel.loss_parallel: true",
+            {"tensor_parallel_degree": 2, "tensor_parallel": {"loss_parallel": True}}),
+    Feature("cp", "config", *_degree("context_parallel_degree"), {"context_parallel_degree": 2}),
+    Feature("ep", "config", *_degree("expert_parallel_degree"), {"expert_parallel_degree": 2}),
+    Feature("pp", "config", *_degree("pipeline_parallel_degree"), {"pipeline_parallel_degree": 2}),
+    Feature("hsdp", "config", lambda c, d: c.hybrid_shard_degree > 0,
+            lambda c, d: f"hybrid_shard_degree={c.hybrid_shard_degree}", {"hybrid_shard_degree": 2}),
+    Feature("selective_ac", "config", lambda c, d: c.activation_checkpointing.mode == "selective",
+            lambda c, d: "activation_checkpointing 'selective'", {"activation_checkpointing": "selective"}),
+    Feature("offloading", "config", lambda c, d: c.activation_offloading,
+            lambda c, d: "activation_offloading: true", {"activation_offloading": True}),
+    Feature("compile", "config", lambda c, d: c.compile.enabled, lambda c, d: "compile: true", {"compile": True}),
+    Feature("aux_loss", "config", lambda c, d: c.moe.moe_load_balancing == "aux_loss",
+            lambda c, d: "moe.moe_load_balancing 'aux_loss'", {"moe": {"moe_load_balancing": "aux_loss"}}),
+    Feature("split_backward", "config", lambda c, d: _pp(c) and c.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES,
+            lambda c, d: f"pipeline.schedule {c.pipeline.schedule!r}",
+            {"pipeline_parallel_degree": 2, "pipeline": {"schedule": "interleaved_zero_bubble", "microbatches": 4}}),
+    Feature("unproven_cp_schedule", "config",
+            lambda c, d: _pp(c) and c.pipeline.schedule not in CONTEXT_PARALLEL_SCHEDULES,
+            lambda c, d: f"pipeline schedule {c.pipeline.schedule!r}",
+            {"pipeline_parallel_degree": 2, "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 4}}),
+    Feature("reshard", "config",
+            lambda c, d: "reshard_after_forward" in c.model_fields_set and c.reshard_after_forward is not False,
+            lambda c, d: f"reshard_after_forward={c.reshard_after_forward!r}", {"reshard_after_forward": True}),
+    Feature("dp", "world", lambda c, d: d is not None and d.dp > 1,
+            lambda c, d: f"{d.dp} data-parallel ranks per stage", {}),
+    Feature("trainer", "run", lambda c, d: False, lambda c, d: "SMPTrainer", {}),
+    Feature("peft", "run", lambda c, d: False, lambda c, d: "a PEFT (LoRA) model", {}),
+)}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    features: tuple[str, ...]  # in the order the message names them
+    reason: str
+    fix: str
+    proof: str  # the test that shows the combination wrong (or refused, where it cannot run at all)
+
+    def message(self, config: Any, dims: Any = None, degrees: str = "") -> str:
+        names = " with ".join(FEATURES[f].setting(config, dims) for f in self.features)
+        return f"{names} is not supported{f' ({degrees})' if degrees else ''}: {self.reason}; {self.fix}"
+
+
+REFUSED = (
+    Refusal(("ep", "tp"), "expert-parallel ranks come out of the sharded data-parallel ranks, and smp "
+            "(like SMP v2) does not split experts and tensor-parallel layers over one mesh",
+            "set tensor_parallel_degree: 1 or expert_parallel_degree: 1",
+            "tests/test_expert_parallel.py::test_degree_errors_list_every_degree"),
+    Refusal(("ep", "cp"), "smp (like SMP v2) does not combine expert parallel with context parallel: the "
+            "dispatch would route each rank's chunk of a row without the rest of the row",
+            "set context_parallel_degree: 1 or expert_parallel_degree: 1",
+            "tests/test_pipeline_cp.py::test_unproven_compositions_are_refused"),
+    Refusal(("ep", "selective_ac"), "selective checkpointing replays cached op outputs by invocation order, "
+            "which the dispatch's data-dependent collectives break (full checkpointing recomputes them)",
+            "use activation_checkpointing 'full' or 'none'",
+            "tests/test_expert_parallel.py::test_selective_checkpointing_is_refused"),
+    Refusal(("cp", "unproven_cp_schedule"), "smp has proven context parallel under pipeline parallelism for "
+            f"{sorted(CONTEXT_PARALLEL_SCHEDULES)} only", "set pipeline.schedule to one of them",
+            "tests/test_pipeline_cp.py::test_unproven_compositions_are_refused"),
+    Refusal(("pp", "cp", "tp"), "smp has proven pipeline x context parallel alone only",
+            "set tensor_parallel_degree: 1, context_parallel_degree: 1 or pipeline_parallel_degree: 1",
+            "tests/test_pipeline_compose.py::test_pp_x_cp_beyond_what_is_proven_is_refused_with_the_reason"),
+    Refusal(("pp", "cp", "dp"), "smp has proven pipeline x context parallel with one data-parallel rank "
+            "per stage only", "make pipeline_parallel_degree x context_parallel_degree the world size, or set "
+            "context_parallel_degree: 1", "tests/test_composition.py::test_every_pair_is_checked_as_the_table_says"),
+    Refusal(("sp", "pp"), "stages before the last hold no output head to gather the sequence back",
+            "set tensor_parallel.sequence_parallel: false",
+            "tests/test_pipeline_compose.py::test_tp_options_that_do_not_compose_are_refused"),
+    Refusal(("loss_parallel", "pp"), "the schedule computes the loss on the last stage outside "
+            "smp.tensor_parallel.loss_parallel()", "set tensor_parallel.loss_parallel: false",
+            "tests/test_pipeline_compose.py::test_tp_options_that_do_not_compose_are_refused"),
+    Refusal(("aux_loss", "pp"), "the load-balancing loss multiplies router statistics summed over every MoE "
+            "layer and the whole batch, which lie on different stages and micro-batches",
+            "turn it off (moe: {moe_load_balancing: none})",
+            "tests/test_pipeline_compose.py::test_load_balancing_loss_across_stages_is_refused"),
+    Refusal(("aux_loss", "cp"), "context parallel splits each row's tokens over ranks, and the router "
+            "statistics of a row's tokens would be multiplied per chunk, not over the row",
+            "turn it off (moe: {moe_load_balancing: none})",
+            "tests/test_expert_parallel.py::test_aux_loss_refused_where_it_cannot_be_global"),
+    Refusal(("compile", "split_backward"), "that schedule splits each backward into input and weight halves, "
+            "which torch does not support under torch.compile",
+            "set compile: false or pick gpipe / 1f1b / interleaved_1f1b / looped_bfs",
+            "tests/test_pipeline_config.py::test_composed_and_refused_degrees"),
+    Refusal(("split_backward", "dp", "reshard"), "the schedule runs each micro-batch's weight gradients after "
+            "later forwards, when FSDP has resharded the parameters they belong to (measured: gradients off by "
+            "3e-2 at PP 2 x FSDP 2)", "leave reshard_after_forward unset (false under pipeline parallelism) or "
+            "pick gpipe / 1f1b / interleaved_1f1b / looped_bfs",
+            "tests/test_pipeline_compose.py::test_split_backward_with_resharding_is_caught_and_refused"),
+    Refusal(("trainer", "pp"), "the Trainer runs the whole model's forward on every rank (compute_loss, "
+            "prediction_step), while a pipelined model holds one stage per rank and trains only through "
+            "smp.pipeline.step(model, input_ids, labels)", "set pipeline_parallel_degree: 1 (FSDP / tensor "
+            "parallel work with the Trainer), or train with pipeline parallelism in a plain loop such as "
+            "examples/finetune_causal_lm.py (docs/pipeline-parallel.md)",
+            "tests/test_trainer.py::test_pipeline_parallel_is_refused_at_construction"),
+    Refusal(("peft", "tp"), "LoRA adapters are not tensor-parallel in smp",
+            "use tensor_parallel_degree: 1 (FSDP / hybrid sharding shards the base model and the adapters)",
+            "tests/test_composition.py::test_run_features_are_refused_by_the_integration"),
+)
+
+# Combinations a test proves equal to one process (loss and gradients), beyond each feature alone.
+PROVEN = {
+    ("tp", "dp"): "tests/test_tensor_parallel.py::test_matches_single_process",
+    ("tp", "hsdp"): "tests/test_tensor_parallel.py::test_hybrid_shard_with_tp",
+    ("tp", "sp"): "tests/test_tensor_parallel.py::test_tp4_with_sequence_parallel",
+    ("tp", "loss_parallel"): "tests/test_tensor_parallel.py::test_loss_parallel_keeps_logits_sharded",
+    ("tp", "offloading"): "tests/test_activations.py::test_tensor_parallel_with_checkpointing_and_offloading",
+    ("cp", "dp"): "tests/test_context_parallel.py::test_matches_single_process",
+    ("cp", "tp"): "tests/test_context_parallel.py::test_with_tensor_parallel",
+    ("cp", "hsdp"): "tests/test_context_parallel.py::test_with_hybrid_shard_and_mixed_precision_offload",
+    ("ep", "dp"): "tests/test_expert_parallel.py::test_matches_single_process",
+    ("aux_loss", "dp"): "tests/test_expert_parallel.py::test_fsdp_without_ep_makes_the_aux_loss_global",
+    ("pp", "dp"): "tests/test_pipeline.py::test_pp2_x_fsdp2_matches_one_process",
+    ("pp", "tp"): "tests/test_pipeline_compose.py::test_pp2_x_tp2_matches_one_process",
+    ("pp", "tp", "dp"): "tests/test_pipeline_compose.py::test_pp2_x_tp2_x_fsdp2_matches_one_process",
+    ("pp", "ep"): "tests/test_pipeline_compose.py::test_pp2_x_ep2_mixtral_matches_one_process",
+    ("pp", "cp"): "tests/test_pipeline_cp.py::test_pp2_x_cp2_matches_one_process",
+    ("split_backward", "dp"): "tests/test_pipeline_compose.py::test_split_backward_schedules_x_fsdp2_match_one_process",
+    ("pp", "compile"): "tests/test_pipeline.py::test_offloading_and_compile_inside_stages",
+    ("pp", "offloading"): "tests/test_pipeline.py::test_offloading_and_compile_inside_stages",
+    ("trainer", "tp", "dp"): "tests/test_trainer.py::test_tp_2_fsdp_2",
+}
+
+
+def features(config: Any, dims: Any = None, run: tuple[str, ...] = ()) -> frozenset[str]:
+    """The features `config` turns on (with `dims`, the mesh's too; `run`: "trainer", "peft")."""
+    return frozenset(f.name for f in FEATURES.values() if f.on(config, dims)) | frozenset(run)
+
+
+def refusal(present: frozenset[str] | set[str]) -> Refusal | None:
+    """The first row of REFUSED whose features are all `present`, or None: allowed."""
+    return next((r for r in REFUSED if set(r.features) <= set(present)), None)
+
+
+def row(*names: str) -> Refusal:
+    """The REFUSED row of exactly these features (for checks that need the model to decide)."""
+    return next(r for r in REFUSED if set(r.features) == set(names))
+
+
+def degrees(config: Any, world_size: int | None = None) -> str:
+    """Every degree of `config`, for messages: the user sees which number to change."""
+    text = ", ".join(f"{k}={getattr(config, k)}" for k in (
+        "pipeline_parallel_degree", "tensor_parallel_degree", "hybrid_shard_degree", "context_parallel_degree",
+        "expert_parallel_degree"))
+    return text + (f", world_size={world_size}" if world_size is not None else "")
+
+
+def check_config(config: Any) -> None:
+    """Raise ValueError (the config validators turn it into ConfigError) for a refused set of
+    the config's own features."""
+    found = refusal(features(config))
+    if found is not None:
+        raise ValueError(found.message(config, degrees=degrees(config)))
+
+
+def check_world(config: Any, dims: Any) -> None:
+    """Raise ConfigError for a refused set that the mesh decides (e.g. data-parallel ranks)."""
+    found = refusal(features(config, dims))
+    if found is not None:
+        raise ConfigError(found.message(config, dims, degrees(config, dims.world_size)))
+
+
+def check_run(config: Any, run: tuple[str, ...]) -> None:
+    """Raise ConfigError for a refused set including how smp runs (`run`: "trainer", "peft")."""
+    found = refusal(features(config, None, run))
+    if found is not None:
+        raise ConfigError(found.message(config, degrees=degrees(config)))
+
+
+def markdown_table() -> str:
+    """docs/composition.md's table: every refused set and every proven combination (the tests
+    that show them stay in the code: docs are for the user)."""
+    def names(features: tuple[str, ...]) -> str:
+        return " + ".join(f"`{f}`" for f in features)
+
+    lines = ["| features | composes? | why / fix |", "|---|---|---|"]
+    for r in REFUSED:
+        lines.append(f"| {names(r.features)} | refused | {r.reason}; {r.fix} |")
+    for combination in PROVEN:
+        lines.append(f"| {names(combination)} | yes, proven equal to one process | |")
+    return "\n".join(lines) + "\n"
+
+
+def feature_legend() -> str:
+    """What each feature name in the table means: the smallest config that turns it on."""
+    import json
+
+    lines = ["| feature | turned on by |", "|---|---|"]
+    for f in FEATURES.values():
+        how = {"world": "more than one data-parallel rank per stage (world size / other degrees)",
+               "run": "SMPTrainer" if f.name == "trainer" else "a PEFT model under SMPTrainer"}.get(f.where)
+        lines.append(f"| `{f.name}` | {how or '`' + json.dumps(f.example) + '`'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # prints the tables docs/composition.md holds
+    print(feature_legend())
+    print(markdown_table())
