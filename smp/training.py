@@ -126,7 +126,10 @@ def all_reduce_mean(value: float | torch.Tensor, group: dist.ProcessGroup | None
 IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
 
 
-def step(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None,
+LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]  # loss_fn(outputs, batch) -> scalar
+
+
+def step(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None,
          accumulate: bool = False, scale: float = 1.0) -> torch.Tensor:
     """Forward and backward of `batch` on the model smp.transform returned, whatever its layout
     (FSDP, tensor / sequence / loss parallel, context parallel, expert parallel, pipeline
@@ -153,8 +156,7 @@ def step(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: Callable[[Any, 
         return _whole_model_step(model, batch, loss_fn, scale, train=True, caller="smp.step")
 
 
-def evaluate(model: nn.Module, batch: Mapping[str, Any], *,
-             loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None) -> torch.Tensor:
+def evaluate(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> torch.Tensor:
     """`smp.step`'s forward-only twin: the global batch's loss on every rank, gradients
     untouched. Put the model in eval mode first when its forward has dropout."""
     with torch.no_grad():
@@ -163,7 +165,7 @@ def evaluate(model: nn.Module, batch: Mapping[str, Any], *,
         return _whole_model_step(model, batch, loss_fn, 1.0, train=False, caller="smp.evaluate")
 
 
-def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], loss_fn: Callable | None, scale: float,
+def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None, scale: float,
                       train: bool, caller: str) -> torch.Tensor:
     """A model every rank runs whole (FSDP, TP, CP, EP): this rank's share of the global loss,
     weighed so that the gradient mean FSDP takes over the data ranks is the global one."""
@@ -214,8 +216,10 @@ def _with_labels(batch: Mapping[str, Any], caller: str) -> dict[str, Any]:
         mask = inputs.get("attention_mask")
         inputs["labels"] = ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
     if inputs["labels"].shape != ids.shape:
-        raise UsageError(f"{caller}: labels {tuple(inputs['labels'].shape)} must have input_ids' shape {tuple(ids.shape)} "
-                         f"(unshifted: smp shifts them, as transformers' causal LMs do)")
+        raise UsageError(
+            f"{caller}: labels {tuple(inputs['labels'].shape)} must have input_ids' shape {tuple(ids.shape)} "
+            f"(unshifted: smp shifts them, as transformers' causal LMs do)"
+        )
     return inputs
 
 
@@ -225,9 +229,10 @@ def _check_auxiliary_loss(model: nn.Module, data_ranks: int, caller: str) -> Non
     config = getattr(model, "config", None)
     if data_ranks > 1 and getattr(config, "output_router_logits", False):
         raise UsageError(
-            f"{caller}: {type(model).__name__} adds the experts' load-balancing loss (config.output_router_logits=True), "
-            f"computed over each rank's tokens, which over {data_ranks} data-parallel ranks is not the whole batch's; "
-            f"set model.config.output_router_logits = False, or compute it yourself in a loss_fn"
+            f"{caller}: {type(model).__name__} adds the experts' load-balancing loss "
+            f"(config.output_router_logits=True), computed over each rank's tokens, which over {data_ranks} "
+            f"data-parallel ranks is not the whole batch's; set model.config.output_router_logits = False, or "
+            f"compute it yourself in a loss_fn"
         )
 
 

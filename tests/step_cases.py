@@ -239,3 +239,25 @@ def _call_errors(model, batch: dict) -> dict:
            "scaled": error(lambda: (model(**batch).loss / 2).backward())}
     model.zero_grad()
     return out
+
+
+def step_errors(config: dict, kind: str = "llama") -> dict:
+    """What smp.step says to what it cannot make equal to one process, on this rank."""
+    with smp.session(config):
+        torch.manual_seed(0)
+        model = tiny_model(kind, layers=2)
+        if kind == "mixtral":
+            model.config.output_router_logits = True
+        model = smp.transform(model)
+        batch = data_rows(padded_batch(seed=5))
+
+        def error(extra: dict) -> str:
+            try:
+                smp.step(model, {**batch, **extra})
+            except smp.Error as e:
+                return f"{type(e).__name__}: {e}"
+            return ""
+
+        packed = torch.arange(SEQ).remainder(8).expand_as(batch["input_ids"])
+        return {"plain": error({}), "unknown_key": error({"token_type_ids": torch.zeros_like(batch["input_ids"])}),
+                "packed_positions": error({"position_ids": packed})}

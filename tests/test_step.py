@@ -95,3 +95,12 @@ def test_ragged_pipeline_batch_padding_is_checked(ranks):
     """Negative control: padding rows that keep their targets change the loss."""
     reports = ranks(2).run(cases.ragged_eval, config=PP2, broken="pad_with_targets")
     assert min(r["ragged_diff"] for r in reports) > 100 * TOL, reports
+
+
+def test_what_cannot_be_exact_is_refused_on_every_rank(ranks):
+    for errors in ranks(2).run(cases.step_errors, config=FSDP2, kind="mixtral"):
+        assert "output_router_logits=True" in errors["plain"] and "2 data-parallel ranks" in errors["plain"], errors
+    for errors in ranks(2).run(cases.step_errors, config=PP2):
+        assert errors["plain"] == "", errors
+        assert "token_type_ids" in errors["unknown_key"] and "leave them out" in errors["unknown_key"], errors
+        assert "packed sequences" in errors["packed_positions"], errors

@@ -387,8 +387,8 @@ def pipeline_batch(batch: Mapping[str, Any], caller: str) -> tuple[torch.Tensor,
     if not isinstance(input_ids, torch.Tensor):
         raise UsageError(f"{caller}: the batch needs input_ids, a [batch, seq] tensor of token ids")
     positions = batch.get("position_ids")
-    if positions is not None and not torch.equal(
-            positions.to(input_ids.device), torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)):
+    counting = None if positions is None else torch.arange(positions.shape[-1], device=positions.device)
+    if positions is not None and not torch.equal(positions, counting.expand_as(positions)):
         raise UsageError(
             f"{caller}: position_ids other than 0, 1, 2, ... along each row (packed sequences) are not built for a "
             f"pipelined model: its stages number the tokens of each row from 0; leave position_ids out"
