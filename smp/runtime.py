@@ -264,14 +264,15 @@ def _check_launch_environment() -> None:
     launcher starts several only through mpirun)."""
     if "MASTER_ADDR" not in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return
-    missing = " and ".join(name for name in ("RANK", "WORLD_SIZE") if name not in os.environ)
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    missing = f"{' and '.join(missing)} {'are' if len(missing) > 1 else 'is'}"
     by_accelerate = "ACCELERATE_USE_CPU" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
     launcher = ("`accelerate launch` started this process alone (on CPU it starts several processes only "
                 "through mpirun, --mpirun_hostfile)" if by_accelerate else "this process was not started by torchrun")
     raise ConfigError(
-        f"MASTER_ADDR is set but {missing} is not: {launcher}. Launch every process with torchrun: "
-        f"`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N script.py` on CPU, `torchrun --nproc_per_node N "
-        f"script.py` or `accelerate launch --multi_gpu --num_processes N script.py` on GPUs; for one process "
+        f"MASTER_ADDR is set but {missing} not: {launcher}. Launch every process through torchrun: on CPU "
+        f"`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N script.py` or `ACCELERATE_USE_CPU=1 accelerate launch "
+        f"--multi_gpu --num_processes N script.py`, on GPUs the same without ACCELERATE_USE_CPU; for one process "
         f"unset MASTER_ADDR (docs/accelerate.md)"
     )
 
