@@ -253,6 +253,7 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
         scope=_scope.open_session(f"session (rank {rank})"),
     )
     seed_everything(cfg.random_seed)
+    _agree_on_run_id()
     if accelerate is not None:  # the script's Accelerator(s) run on smp until shutdown
         accelerate.start(world_size)
     return _STATE
@@ -285,6 +286,18 @@ def _accelerate_integration() -> Any:
     from smp.integrations import accelerate
 
     return accelerate
+
+
+def _agree_on_run_id() -> None:
+    """Every rank names the same checkpoint run (smp/checkpointing/run.py); a difference is a
+    ConfigError on every rank, and the session closes again."""
+    from smp.checkpointing import run  # here: smp.checkpointing reaches smp.runtime
+
+    try:
+        run.agree()
+    except ConfigError:
+        shutdown()
+        raise
 
 
 def shutdown() -> None:

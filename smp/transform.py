@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -50,6 +51,10 @@ def transform(
         load_hf(weights, model, device=torch.device("cpu") if st.config.cpu_offload else st.device)
         return model
     if st.dims.pp == 1:
+        from smp.checkpointing.hf import eager_load_note  # the whole model on every rank: say what it cost
+
+        if st.rank == 0 and (note := eager_load_note(model, st.dims.world_size // st.dims.dp_replicate)):
+            logging.getLogger("smp").info(note)
         return apply_parallelism(model, st.config, st.dims, st.mesh, st.device, tp_plan=tp_plan,
                                  materialize=materialize, moe_config=moe_config)
     # 0. Pipeline first: the model is split into stages, and each stage of this rank then goes
