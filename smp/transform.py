@@ -23,6 +23,7 @@ from smp.sharding import apply_fsdp, has_meta_tensors, materialize_meta_model
 from smp.sharding.delayed_init import materialize_stages
 from smp.sharding.fsdp import block_reshard_after_forward, fsdp_needed, settle_partial_grads, torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
+from smp.sharding.parameter_gather import gather_reshard_after_forward, install_parameter_gather
 from smp.tensor_parallel import apply_tensor_parallel
 
 
@@ -177,10 +178,13 @@ def apply_parallelism(
         reshard = block_reshard_after_forward(
             cfg.reshard_after_forward, explicit="reshard_after_forward" in cfg.model_fields_set,
             shard_ranks=dims.dp_shard * dims.cp, cpu_offload=cfg.cpu_offload)
+        # hpZ (parameter_gather.hierarchical): blocks stay sharded over the node after forward.
+        reshard = gather_reshard_after_forward(reshard, cfg.parameter_gather.hierarchical, dims.dp_shard * dims.cp)
         apply_fsdp(
             model, shard_mesh, blocks, **dtypes, reduce_dtype=torch_dtype(mp.reduce_dtype),
             cast_forward_inputs=mp.cast_forward_inputs, reshard_after_forward=reshard,
-            cpu_offload=cfg.cpu_offload,
+            cpu_offload=cfg.cpu_offload, fixed_units=dims.pp > 1 or sync.algorithm != "default" or by_hook
+            or cfg.parameter_gather.algorithm != "default" or bool(cfg.parameter_gather.hierarchical),  # units fixed
         )
     elif dims.tp > 1:
         settle_partial_grads(model)
@@ -189,6 +193,10 @@ def apply_parallelism(
         model, sync.algorithm, block_size=sync.block_size, error_feedback=sync.error_feedback,
         cross_replica=sync.cross_replica, replica_group=mesh["dp_replicate"].get_group() if by_hook else None,
     )
+    # 4b. Parameter gather: quantised (and in-node in backward) all-gathers, when configured.
+    gather = cfg.parameter_gather
+    install_parameter_gather(model, gather.algorithm, block_size=gather.block_size,
+                             hierarchical=gather.hierarchical, param_dtype=dtypes["param_dtype"])
     # 5. Last, so that its pre-forward hook runs before FSDP's root one (all-gathers): the
     #    first forward is replayed on the meta device, refusing attention smp cannot see.
     if cp_probe is not None:
