@@ -74,9 +74,11 @@ def test_expert_parallel_negative_control_is_caught(ranks):
     assert max(r["grad_diff"] for r in reports) > 100 * TOL, reports
 
 
-@pytest.mark.parametrize("config", [FSDP2, PP2], ids=["fsdp2", "pp2"])
-def test_accumulation(ranks, config):
-    for report in ranks(2).run(cases.accumulation, config=config):
+@pytest.mark.parametrize("world, config", [
+    (2, FSDP2), (2, PP2), pytest.param(4, PP2, marks=pytest.mark.slow),
+], ids=["fsdp2", "pp2", "pp2xfsdp2"])
+def test_accumulation(ranks, world, config):
+    for report in ranks(world).run(cases.accumulation, config=config):
         assert report["grad_diff"] < TOL and report["no_sync_grad_diff"] < TOL, report
 
 
