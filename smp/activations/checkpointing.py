@@ -137,3 +137,28 @@ def _model_configs(model: nn.Module) -> list:
         found[id(config)] = config
         pending.extend(v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, "__dict__"))
     return list(found.values())
+
+
+def mode_advice(mode: str, compiled: bool) -> str | None:
+    """What `smp plan` says about the checkpointing mode for an eager or compiled run, or None.
+
+    Eager selective checkpointing runs every op of a checkpointed block through torch's two Python
+    dispatch modes (`_CachingTorchDispatchMode` in forward, `_CachedTorchDispatchMode` in the
+    recompute): ~35 Python calls per op, so where the host sets the pace it is slower than `full`
+    although it recomputes no matmul. Under torch.compile those modes vanish into the graph."""
+    if mode == "selective" and not compiled:
+        return (f"activation_checkpointing selective in eager: every op of a checkpointed block passes through "
+                f"torch's Python dispatch modes, so a host-bound step pays more than full's recompute "
+                f"({SELECTIVE_EAGER_NOTE}); in eager pick full, with every_n_layers: k to trade memory back for "
+                f"speed, and selective under compile: true")
+    if mode == "full" and compiled:
+        return ("activation_checkpointing full under compile: selective keeps the matmul outputs and, "
+                f"compiled, costs no host time ({SELECTIVE_COMPILED_NOTE}): pick it when its memory fits")
+    return None
+
+
+# Measured on the CPU proxy of the GPU check's host-bound step (bench/bench_host.py --checkpointing:
+# tiny-width 16-layer Llama, bf16 params, smp at world 1, thread-CPU medians), and on an H200
+# (1.2B Llama, eager, smp's previous per-block FSDP units): the step relative to no checkpointing.
+SELECTIVE_EAGER_NOTE = "step vs none: selective 2.08x, full 1.59x on an H200; see BENCHMARKS.md, host section"
+SELECTIVE_COMPILED_NOTE = "see BENCHMARKS.md, host section"

@@ -28,6 +28,7 @@ from smp.planning.memory import (
     sharded_bytes,
     transient_bytes,
 )
+from smp.activations.checkpointing import mode_advice
 from smp.sharding.fsdp import block_reshard_after_forward, cast_transient_bytes, describe_layout
 
 
@@ -186,6 +187,8 @@ def plan(config: ConfigSource, model: str | Any, world_size: int, *, rank: int =
     notes.append(f"root FSDP unit (gathered for the whole step, never checkpointed): {shown}: "
                  f"{root_share:.1%} of the parameters")
     notes += [layout] if layout else []
+    advice = mode_advice(cfg.activation_checkpointing.mode, cfg.compile.enabled)  # eager vs compiled
+    notes += [advice] if advice else []
     notes.append(parameter_gather_note(parameter_gather_settings(meta_model, cfg, grad_accum)))
     if dims.ep > 1:
         notes.append(f"expert parallel assumes balanced routing: a rank's experts receive tokens x top_k choices "
