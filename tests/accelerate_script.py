@@ -18,6 +18,7 @@ import os
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
 from accelerate.utils import gather as gather_over_every_process
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
@@ -57,12 +58,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--checkpointing-steps", type=int, default=0)
     p.add_argument("--resume-from", default=None)
     p.add_argument("--skip-model-in-prepare", action="store_true", help="negative control")
+    p.add_argument("--seedable-sampler", action="store_true", help="accelerate's epoch-seeded shuffling")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse()
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=args.seedable_sampler))
     if args.smp is not None:
         import smp
 

@@ -50,6 +50,7 @@ from accelerate.state import AcceleratorState
 from accelerate.state import is_initialized as accelerate_initialized
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, RandomSampler
 
 import smp
 from smp import _compat
@@ -90,6 +91,7 @@ class _Adapted:
     models: list[nn.Module] = field(default_factory=list)  # smp models that went through prepare
     handles: list[Any] = field(default_factory=list)  # accelerate's hook handles
     warned_scheduler: bool = False
+    order_at_iteration: bool = False  # a loader shuffles from the process generator when iteration starts
 
     def restore(self) -> None:
         for handle in self.handles:
@@ -172,8 +174,7 @@ def _adapt(accelerator: Accelerator) -> _Adapted | None:
     session.adapted[id(accelerator)] = adapted
     peers = st.dp_size < st.world_size  # TP / CP / PP ranks read the rows of their dp rank
     overrides: dict[str, Any] = {
-        "prepare_data_loader": functools.partial(
-            prepare_data_loader_by_dp, accelerator, dp_rank=st.dp_rank, dp_size=st.dp_size, peers=peers),
+        "prepare_data_loader": functools.partial(_prepare_data_loader, adapted, peers=peers),
         "prepare_optimizer": functools.partial(_prepare_optimizer, adapted, accelerator.prepare_optimizer),
         "prepare_scheduler": functools.partial(_prepare_scheduler, adapted),
         "no_sync": functools.partial(_no_sync, accelerator.no_sync),
@@ -210,7 +211,18 @@ def _adopt_model(adapted: _Adapted, model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# prepare: optimizer and scheduler
+# prepare: data loaders, optimizer and scheduler
+
+
+def _prepare_data_loader(adapted: _Adapted, data_loader: DataLoader, device_placement: bool | None = None, *,
+                         peers: bool, **kwargs: Any) -> DataLoader:
+    st, accelerator = smp.state, adapted.accelerator
+    if (st.dp_size == 1 and isinstance(getattr(data_loader, "sampler", None), RandomSampler)
+            and not accelerator.use_seedable_sampler):
+        adapted.order_at_iteration = True  # (see _load_state_hook)
+    return prepare_data_loader_by_dp(accelerator, data_loader, dp_rank=st.dp_rank, dp_size=st.dp_size,
+                                     device_placement=device_placement, peers=peers, **kwargs)
+
 
 
 def _param_ids(modules: list[nn.Module]) -> set[int]:
@@ -395,6 +407,12 @@ def _save_state_hook(adapted: _Adapted, models: list[nn.Module], weights: list[A
 def _load_state_hook(adapted: _Adapted, models: list[nn.Module], input_dir: str) -> None:
     """accelerate's load pre-hook: each smp model and its optimizer from `<input_dir>/smp_model[_i]`
     (at any layout: smp reshards), taken out of the models accelerate loads."""
+    if adapted.order_at_iteration and smp.state.rank == 0:
+        log.warning(
+            "smp: one data-parallel rank reads the data as accelerate's one-process loader does: a shuffling loader "
+            "draws each epoch's order when iteration starts, so after load_state a resumed epoch is read in another "
+            "order than the interrupted run's (accelerate in one process does the same). For an exact resume build "
+            "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))")
     for i in reversed(range(len(models))):
         if not is_smp_model(models[i]):
             continue
