@@ -69,3 +69,36 @@ def mesh_group_timeouts(config: dict):
             for dim, name in enumerate(mesh.mesh_dim_names):
                 out[name] = (timeouts[name], mesh.get_group(dim) is default)
         return out
+
+
+def run_ids_per_rank(ids: dict, save_dir: str | None = None) -> dict:
+    """smp.init (or, with `save_dir`, a first save under plain torch.distributed) with this rank's
+    SMP_RUN_ID from `ids` ({rank: id}; a rank not in it has none): the error it raised, and how
+    long until it did."""
+    import os
+    import time
+
+    from smp.checkpointing import run
+
+    rank = dist.get_rank()
+    saved = {k: os.environ.pop(k, None) for k in (run.RUN_ID_ENV, run.TORCHRUN_RUN_ID_ENV)}
+    if str(rank) in ids:
+        os.environ[run.RUN_ID_ENV] = ids[str(rank)]
+    start = time.monotonic()
+    try:
+        if save_dir is None:
+            with smp.session({"backend": "gloo"}):
+                pass
+        else:
+            from smp.scope import isolated
+
+            with isolated("run id case"):  # a fresh run id slot, as in a new process
+                smp.checkpointing.save(os.path.join(save_dir, "step_1"), torch.nn.Linear(2, 2))
+        return {"error": None, "seconds": time.monotonic() - start}
+    except smp.Error as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v

@@ -533,3 +533,106 @@ def test_cp_hybrid_message_names_the_real_reason():
     assert "[2, 6]" in message, message
     with pytest.raises(smp.ConfigError, match="hybrid_shard_degree=4 does not divide the data-parallel size 6"):
         ParallelDims.from_config(load_config({"context_parallel_degree": 2, "hybrid_shard_degree": 4}), 6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run ids: agreed by every rank, bounded in length, one live writer per partial folder
+
+
+@pytest.mark.parametrize("where", ["init", "first_save"])
+@pytest.mark.parametrize("ids", [{"0": "1764300000", "1": "1764300003"}, {"1": "only-rank-1"}],
+                         ids=["differ", "one_rank"])
+def test_run_ids_that_differ_between_ranks_are_refused_on_every_rank(ranks, tmp_path, where, ids):
+    """`$(date +%s)` per node, or SMP_RUN_ID on one rank only: saves used to succeed, then each
+    rank's latest() picked another checkpoint and the job hung until the collective timeout. Now
+    smp.init (or, under plain torch.distributed, the first save) refuses on every rank in one
+    line naming the values, in seconds. Negative control: the same id on both ranks passes."""
+    save_dir = str(tmp_path) if where == "first_save" else None
+    for r in ranks(2).run(reliability_cases.run_ids_per_rank, ids=ids, save_dir=save_dir):
+        assert r["error"] and r["error"].startswith("ConfigError: the ranks name different runs"), r
+        assert "\n" not in r["error"] and ("rank 1: 'only-rank-1'" in r["error"] or "'1764300003'" in r["error"]), r
+        assert "export SMP_RUN_ID" in r["error"], r
+        assert r["seconds"] < 10, r
+    assert not list(tmp_path.iterdir())  # nothing written
+    same = {"0": "run-a", "1": "run-a"}
+    for r in ranks(2).run(reliability_cases.run_ids_per_rank, ids=same, save_dir=save_dir):
+        assert r["error"] is None, r
+
+
+def test_a_run_id_longer_than_the_bound_is_refused_early(tmp_path, monkeypatch):
+    """A 70 KB SMP_RUN_ID: saves succeeded, then latest() could not read this run's markers (a
+    64 KiB bound) and returned None, and the warning printed the whole id. Now smp.init and
+    latest() refuse it naming the variable, quoting under 100 characters of it; an id at the
+    bound saves and is found (negative control)."""
+    from smp.checkpointing import run
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SMP_RUN_ID", "x" * 70_000)
+    with pytest.raises(smp.ConfigError) as e:
+        smp.init({"backend": "gloo"})
+    assert not smp.is_initialized()
+    message = str(e.value)
+    assert "SMP_RUN_ID is 70000 characters long" in message and len(message) < 500, message[:600]
+    with pytest.raises(smp.ConfigError, match="at most 256"):
+        smp.checkpointing.latest(tmp_path)
+    monkeypatch.setenv("SMP_RUN_ID", "y" * run.MAX_RUN_ID_CHARS)
+    with smp.session({"backend": "gloo"}):
+        smp.checkpointing.save(tmp_path / "step_1", _tiny())
+        assert smp.checkpointing.latest(tmp_path) == str(tmp_path / "step_1")
+
+
+def _live_process():
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def test_a_live_writer_of_the_same_run_id_is_refused_not_deleted(tmp_path, monkeypatch):
+    """Two live runs with one SMP_RUN_ID in one root (unsupported): the second deleted the
+    first's partial folder (same run id: "a crashed save's leftover") and both wrote into one
+    folder that committed damaged. Now a partial folder a live process of this host writes is
+    refused naming it and left alone; the leftover of a dead process is still cleared (negative
+    control: a restarted run is not blocked)."""
+    from smp.checkpointing import atomic
+
+    monkeypatch.setenv("SMP_RUN_ID", "shared")
+    other = _live_process()
+    try:
+        partial = tmp_path / ".step_1.partial"
+        partial.mkdir()
+        marker = {"run_id": "shared", "host": __import__("socket").gethostname(), "pid": other.pid,
+                  "started": atomic._process_start(other.pid)}
+        (partial / "smp_partial.json").write_text(json.dumps(marker))
+        (partial / "__0_0.distcp").write_text("the other run's shard")
+        with pytest.raises(smp.checkpointing.CheckpointError) as e:
+            smp.checkpointing.save(tmp_path / "step_1", _tiny())
+        assert f"pid {other.pid}" in str(e.value) and "another live process of this run" in str(e.value), e.value
+        assert (partial / "__0_0.distcp").exists()  # not deleted
+        assert smp.checkpointing.latest(tmp_path) is None
+    finally:
+        other.kill()
+        other.wait()
+    smp.checkpointing.save(tmp_path / "step_1", _tiny())  # the dead writer's leftover is cleared
+    assert smp.checkpointing.latest(tmp_path) == str(tmp_path / "step_1")
+
+
+def test_a_partial_folder_taken_over_mid_save_is_not_committed(tmp_path, monkeypatch):
+    """Commit checks that the partial folder's marker still names this process: one that another
+    process replaced (holding both processes' files) is refused and never looks committed."""
+    from smp.checkpointing import atomic
+
+    other = _live_process()
+    try:
+        path = str(tmp_path / "step_1")
+        tmp = atomic.prepare(path, "shared")
+        atomic.commit(path, run_id="shared")  # negative control: its own folder commits
+        assert atomic.is_committed(path)
+        path2 = str(tmp_path / "step_2")
+        tmp = atomic.prepare(path2, "shared")
+        marker = json.loads(open(os.path.join(tmp, "smp_partial.json")).read())
+        marker["pid"] = other.pid
+        open(os.path.join(tmp, "smp_partial.json"), "w").write(json.dumps(marker))
+        with pytest.raises(FileExistsError, match=f"pid {other.pid}"):
+            atomic.commit(path2, run_id="shared")
+        assert not os.path.exists(path2) and not atomic.is_committed(tmp)
+    finally:
+        other.kill()
+        other.wait()

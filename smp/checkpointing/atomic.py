@@ -2,7 +2,8 @@
 
 Protocol (rank 0 does the filesystem steps, after every rank has written its shards):
   1. all ranks write into `<root>/.<name>.partial/` (a leftover from a crashed save is removed);
-     rank 0 first writes `smp_partial.json` there, naming the run that owns it;
+     rank 0 first writes `smp_partial.json` there, naming the run that owns it and the process
+     writing it (host, pid, start time);
   2. rank 0 writes `smp_meta.json` (with every file's size and digest), then the commit marker
      `smp_commit.json` (kind, run id, save sequence number), fsyncs both;
   3. rank 0 renames the directory to `<root>/<name>` (atomic on POSIX filesystems).
@@ -14,7 +15,11 @@ checkpoint latest. The marker also guards filesystems whose renames are not atom
 What smp may delete or replace in a root it shares with the user and with other runs: only
 folders it can prove it wrote in this run, i.e. whose commit marker (or, for a partial,
 `smp_partial.json`) carries this run's id; a save to a name another run committed, or is still
-writing, is refused. `latest(root)` returns this run's checkpoints. Where a run's id comes from,
+writing, is refused. Two live runs sharing one run id in one root are unsupported, but caught:
+a partial folder of this run id that a live process on this host other than this one writes is
+refused, not deleted, naming that process; and rank 0 commits only a partial folder whose marker
+still names its own process (one that another process replaced is never committed).
+`latest(root)` returns this run's checkpoints. Where a run's id comes from,
 so that a restarted job still finds and cleans up its earlier attempts' checkpoints: run.py.
 Symbolic links (`latest -> step_2`, `best -> ../other_run/step_100`) are never listed, followed,
 or deleted. Order is the save sequence number in the marker (one more than any in the root at
@@ -28,6 +33,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import time
 
@@ -108,9 +114,9 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
         owner = _marker(path).get("run_id") if is_committed(path) else None
         if owner is not None and owner != run_id:
             raise FileExistsError(
-                f"{path!r} is a checkpoint of another run ({owner}); this is run {run_id}. A save never "
-                f"replaces another run's checkpoint: save under another name or root. If this is run "
-                f"{owner} restarted, set {run.RUN_ID_ENV}={owner} (torchrun keeps one id across "
+                f"{path!r} is a checkpoint of another run ({run.short(owner)}); this is run {run.short(run_id)}. A "
+                f"save never replaces another run's checkpoint: save under another name or root. If this is "
+                f"that run restarted, set {run.RUN_ID_ENV} to its id (torchrun keeps one id across "
                 f"--max-restarts; a new launch is a new run)"
             )
     tmp = partial_dir(path)
@@ -121,18 +127,26 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
                 f"{tmp!r} exists and was not made by an smp save; smp writes a save to {path!r} "
                 f"there first. Rename or remove it"
             )
+        writer = _live_writer(tmp) if owner == run_id else None
+        if writer is not None:
+            raise FileExistsError(
+                f"{tmp!r} is being written by another live process of this run ({writer}); this is process "
+                f"{os.getpid()}. Two runs with one {run.RUN_ID_ENV} ({run.short(run_id)}) in one root delete and "
+                f"overwrite each other's checkpoints: give each run its own {run.RUN_ID_ENV} or root, or stop "
+                f"the other one"
+            )
         if owner is not None and owner != run_id:
             raise FileExistsError(
-                f"{tmp!r} is a save of {path!r} by another run ({owner}), still being written or left by "
-                f"a killed save; this is run {run_id}, and a save never deletes another run's files. Save "
-                f"under another name or root; if no run is writing it any more, delete it. If this is "
-                f"run {owner} restarted, set {run.RUN_ID_ENV}={owner}"
+                f"{tmp!r} is a save of {path!r} by another run ({run.short(owner)}), still being written or "
+                f"left by a killed save; this is run {run.short(run_id)}, and a save never deletes another run's "
+                f"files. Save under another name or root; if no run is writing it any more, delete it. If this "
+                f"is that run restarted, set {run.RUN_ID_ENV} to its id"
             )
         shutil.rmtree(tmp)  # this run's crashed save's leftover (or an empty folder)
     os.makedirs(tmp)
     try:
         with open(os.path.join(tmp, PARTIAL_FILE), "w") as f:
-            json.dump({"run_id": run_id}, f)
+            json.dump({"run_id": run_id, **_this_process()}, f)
     except BaseException:
         # A folder without its marker would block every later save to `path` (not provably smp's).
         shutil.rmtree(tmp, ignore_errors=True)
@@ -142,6 +156,40 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
 
 def _is_empty_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.listdir(path)
+
+
+def _process_start(pid: int) -> int | None:
+    """The start time of process `pid` of this host (clock ticks since boot), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _this_process() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid())}
+
+
+def _writer(path: str) -> dict:
+    """The process fields of a partial folder's marker ({} when unreadable)."""
+    try:
+        data = json.loads(read_regular(os.path.join(path, PARTIAL_FILE), _MAX_MARKER_BYTES))
+    except (NotReadable, ValueError, RecursionError):
+        return {}
+    return {k: data.get(k) for k in ("host", "pid", "started")} if isinstance(data, dict) else {}
+
+
+def _live_writer(path: str) -> str | None:
+    """"host H, pid P" when another process of this host that is still alive (the same start time:
+    not a reused pid) wrote the partial folder's marker; None otherwise (this process, a dead one,
+    another host, whose processes cannot be seen, or an older marker without the fields)."""
+    w = _writer(path)
+    if w.get("host") != socket.gethostname() or not isinstance(w.get("pid"), int) or w["pid"] == os.getpid():
+        return None
+    started = _process_start(w["pid"])
+    return f"host {w['host']}, pid {w['pid']}" if started is not None and started == w.get("started") else None
 
 
 def _partial_owner(path: str) -> str | None:
@@ -161,6 +209,14 @@ def commit(path: str, kind: str = "sharded", run_id: str | None = None) -> None:
     run that may later delete it (keep_last); None: no run may."""
     path = os.path.abspath(path)
     tmp = partial_dir(path)
+    writer = _writer(tmp)
+    if writer and {k: writer[k] for k in ("host", "pid")} != {k: _this_process()[k] for k in ("host", "pid")}:
+        raise FileExistsError(
+            f"{tmp!r} was taken over while this process (pid {os.getpid()}) wrote it: its marker now names host "
+            f"{writer.get('host')}, pid {writer.get('pid')}, another process saving {path!r} with the same run "
+            f"id. Not committed (the folder may hold both processes' files). Give each run its own "
+            f"{run.RUN_ID_ENV} or root"
+        )
     marker = {"kind": kind, "run_id": run_id, "sequence": _next_sequence(os.path.dirname(path)),
               "committed_at_ns": time.time_ns()}  # the time is for people; order uses "sequence"
     with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
@@ -293,7 +349,8 @@ def _several_runs(root: str, found: list[tuple[str, str | None]]) -> str:
     newest: dict[str | None, str] = {}
     for path, owner in found:
         newest[owner] = os.path.basename(path)  # found is oldest first: the last one stays
-    listed = ", ".join(f"{owner or '(no run id recorded)'} (newest {name})" for owner, name in newest.items())
+    listed = ", ".join(f"{run.short(owner) if owner else '(no run id recorded)'} (newest {name})"
+                       for owner, name in newest.items())
     return (f"latest({root!r}): the root holds checkpoints of {len(newest)} runs: {listed}; this process "
             f"has no run id yet, so which one it continues is not known. Set {run.RUN_ID_ENV}=<id> to continue "
             f"that run, or pass run='<id>' (or run='any' for the newest of all)")
@@ -303,9 +360,9 @@ def _warn_others(others: list[tuple[str, str | None]], wanted: str, chosen: str 
     newest_path, newest_owner = others[0]
     log.warning(
         "smp.checkpointing.latest: %s of run %s; checkpoints of other runs are ignored (newest: %r of run %s). "
-        "Pass run=%r or run='any' to resume another run's, or set %s to continue it",
-        f"returning {chosen!r}" if chosen else "no checkpoint", wanted, newest_path, newest_owner,
-        newest_owner, run.RUN_ID_ENV)
+        "Pass run=%s or run='any' to resume another run's, or set %s to continue it",
+        f"returning {chosen!r}" if chosen else "no checkpoint", run.short(wanted), newest_path,
+        run.short(newest_owner), run.short(newest_owner), run.RUN_ID_ENV)
 
 
 def keep_last(root: str, n: int, protect: str, run_id: str) -> list[str]:
@@ -325,7 +382,7 @@ def keep_last(root: str, n: int, protect: str, run_id: str) -> list[str]:
     for name in os.listdir(root):
         full = os.path.join(root, name)
         if (name.startswith(".") and name.endswith(PARTIAL_SUFFIX) and not os.path.islink(full)
-                and _partial_owner(full) == run_id):
+                and _partial_owner(full) == run_id and _live_writer(full) is None):
             shutil.rmtree(full, ignore_errors=True)
             doomed.append(full)
     return doomed

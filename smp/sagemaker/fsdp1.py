@@ -38,10 +38,11 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, StateDictType
+from torch.distributed.tensor import DTensor
 
 from smp._compat import checkpoint_wrapper_module, sharded_tensor_type
 from smp.sagemaker._guide import MigrationError, not_supported, section
-from smp.sagemaker.tp_slices import from_slice, state_to_slices
+from smp.sagemaker.tp_slices import from_slice, state_to_slices, to_slice
 
 _VIEW = "_smp_fsdp1_view"  # the attribute transform sets on the models this module answers for
 
@@ -154,7 +155,7 @@ def _optim_state_dict(original: Any, model: nn.Module, optim: Any, optim_state_d
         return original(model, optim, optim_state_dict, group)
     state = get_optimizer_state_dict(model, optim, options=_options(view))
     if not view.full and _per_tp_rank(view):
-        state = state_to_slices(state, view.shard_mesh)
+        state = _optimizer_slices(model, state, view.shard_mesh)
     if view.rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return state
@@ -176,13 +177,36 @@ def _optim_state_dict_to_load(original: Any, model: nn.Module, optim: Any, optim
     return optim.state_dict()
 
 
-def _from_slices(model: nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict of per-TP-rank slices put back on each parameter's layout."""
+def _parameters(model: nn.Module) -> dict[str, Any]:
+    """FQN (the optimizer state dict's keys) -> the sharded parameter."""
     mine = {name: model.__dict__.pop(name) for name in ("state_dict", "load_state_dict") if name in model.__dict__}
-    try:  # DCP's helper calls model.state_dict(): the class's, not this block's slices
-        params = get_model_state_dict(model)  # FQN -> the sharded parameter (the optimizer's keys)
+    try:  # DCP's helper calls model.state_dict(): the class's, not a state_dict_type block's
+        return get_model_state_dict(model)
     finally:
         model.__dict__.update(mine)
+
+
+def _optimizer_slices(model: nn.Module, osd: dict[str, Any], shard_mesh: Any) -> dict[str, Any]:
+    """The optimizer state as per-TP-rank slices of each parameter's layout. A state tensor laid
+    out otherwise (SGD's momentum copies a gradient that TP left replicated) takes its
+    parameter's layout first (a local cut, exact), as SMP v2's state had the slice's shape."""
+    params = _parameters(model)
+
+    def sliced(name: str, v: Any) -> Any:
+        p = params.get(name)
+        if (isinstance(v, DTensor) and isinstance(p, DTensor) and v.shape == p.shape
+                and v.device_mesh == p.device_mesh and v.placements != p.placements):
+            v = v.redistribute(p.device_mesh, p.placements)
+        return to_slice(v, shard_mesh)
+
+    state = {name: ({k: sliced(name, v) for k, v in per_param.items()} if isinstance(per_param, dict) else per_param)
+             for name, per_param in osd.get("state", {}).items()}
+    return {**osd, "state": state}
+
+
+def _from_slices(model: nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict of per-TP-rank slices put back on each parameter's layout."""
+    params = _parameters(model)
     state = {name: ({k: from_slice(v, params[name]) for k, v in per_param.items()}
                     if name in params and isinstance(per_param, dict) else per_param)
              for name, per_param in osd.get("state", {}).items()}
