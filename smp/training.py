@@ -175,6 +175,7 @@ def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossF
     cp = None if cp is None or cp.size == 1 else cp
     data_ranks = state.dims.dp * (1 if cp is None else cp.size)  # the ranks FSDP averages gradients over
     _check_auxiliary_loss(model, data_ranks, caller)
+    _check_takes_loss_count(model, loss_fn is None, caller)
     inputs = _with_labels(batch, caller)
     # The global batch's target count, summed over the data-parallel ranks (cp ranks hold the same rows).
     targets = pipeline_schedule.global_target_count(inputs["labels"], dp_group, state.device)
@@ -186,7 +187,7 @@ def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossF
     # transformers' name for the count a summed loss divides by: the model's own loss, and a
     # loss_fn that divides its sum by it, weigh every target of the global batch alike.
     inputs["num_items_in_batch"] = share
-    outputs = model(**inputs) if is_hf_model(model) else _call_plain(model, inputs, caller)
+    outputs = _call_model(model, inputs, caller)
     with loss_parallel():  # vocab-sharded logits (tensor_parallel.loss_parallel): loss and backward inside
         if loss_fn is not None:
             loss = loss_fn(outputs, inputs)
@@ -218,7 +219,8 @@ def _with_labels(batch: Mapping[str, Any], caller: str) -> dict[str, Any]:
     if inputs["labels"].shape != ids.shape:
         raise UsageError(
             f"{caller}: labels {tuple(inputs['labels'].shape)} must have input_ids' shape {tuple(ids.shape)} "
-            f"(unshifted: smp shifts them, as transformers' causal LMs do)"
+            f"(unshifted: smp shifts them, as transformers' causal LMs do); for a model with other labels call "
+            f"model(**batch) and backward() yourself"
         )
     return inputs
 
@@ -234,6 +236,31 @@ def _check_auxiliary_loss(model: nn.Module, data_ranks: int, caller: str) -> Non
             f"data-parallel ranks is not the whole batch's; set model.config.output_router_logits = False, or "
             f"compute it yourself in a loss_fn"
         )
+
+
+def _takes_loss_count(model: nn.Module) -> bool:
+    """Whether a transformers model's forward takes `num_items_in_batch` (causal LMs: through **kwargs)."""
+    params = inspect.signature(model.forward).parameters
+    return "num_items_in_batch" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _check_takes_loss_count(model: nn.Module, needs_count: bool, caller: str) -> None:
+    if needs_count and is_hf_model(model) and not _takes_loss_count(model):
+        raise UsageError(
+            f"{caller}: {type(model).__name__}.forward takes no num_items_in_batch, the global target count smp "
+            f"divides its loss by (transformers' causal LMs take it); pass a loss_fn(outputs, batch), or call "
+            f"model(**batch) and backward() yourself"
+        )
+
+
+def _call_model(model: nn.Module, inputs: Mapping[str, Any], caller: str) -> Any:
+    """The model's outputs: a transformers model gets the batch (with `num_items_in_batch` when
+    its forward takes it), any other model the inputs its forward names."""
+    if not is_hf_model(model):
+        return _call_plain(model, inputs, caller)
+    if _takes_loss_count(model):
+        return model(**inputs)
+    return model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"})
 
 
 def _call_plain(model: nn.Module, inputs: Mapping[str, Any], caller: str) -> Any:
