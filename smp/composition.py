@@ -146,8 +146,10 @@ REFUSED = (
             "parallel work with the Trainer), or train with pipeline parallelism in a plain loop such as "
             "examples/finetune_causal_lm.py (docs/pipeline-parallel.md)",
             "tests/test_trainer.py::test_pipeline_parallel_is_refused_at_construction"),
-    Refusal(("peft", "tp"), "LoRA adapters are not tensor-parallel in smp",
-            "use tensor_parallel_degree: 1 (FSDP / hybrid sharding shards the base model and the adapters)",
+    Refusal(("peft", "tp"), "smp has proven LoRA adapters under tensor parallel through smp.transform in "
+            "a training loop of your own (tests/test_lora_tp.py), not yet through the Trainer",
+            "train the LoRA model with smp.transform and your own loop (docs/tensor-parallel.md), or use "
+            "tensor_parallel_degree: 1 (FSDP / hybrid sharding shards the base model and the adapters)",
             "tests/test_composition.py::test_run_features_are_refused_by_the_integration"),
 )
 

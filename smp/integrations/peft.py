@@ -56,3 +56,35 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike) -> None:
         model.save_pretrained(os.fspath(out_dir), state_dict=state)
     if dist.is_initialized():
         dist.barrier()  # the folder is complete for every rank once any returns
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """What PEFT's `merge_and_unload().state_dict()` gives in one process, from a model smp
+    sharded (FSDP, tensor parallel): each LoRA layer's base weight plus B @ A x scaling of every
+    adapter, keyed as the base transformers model names them; on rank 0 (None elsewhere).
+    Collective: every parameter is gathered whole, in the same order on every rank."""
+    from smp.tensor_parallel.lora import is_lora_layer
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    base = model.get_base_model() if is_peft_model(model) else model
+    state: dict[str, torch.Tensor] = {}
+    lora_layers = {_clean(n): m for n, m in base.named_modules() if is_lora_layer(m)}
+    for name, p in base.named_parameters():
+        full = (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        name = _clean(name)
+        owner, _, leaf = name.rpartition(".")
+        if any(f".{part}." in f".{name}." for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")):
+            continue  # folded into their base weight below
+        layer_name = owner.removesuffix(".base_layer")
+        if owner.endswith("base_layer") and leaf == "weight" and layer_name in lora_layers:
+            layer = lora_layers[layer_name]
+            full = full.clone()
+            for adapter in layer.active_adapters:
+                a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+                a = (a.full_tensor() if isinstance(a, DTensor) else a).detach()
+                b = (b.full_tensor() if isinstance(b, DTensor) else b).detach()
+                delta = b.float() @ a.float()
+                full += (delta.T if layer.fan_in_fan_out else delta).to(full.dtype) * layer.scaling[adapter]
+        if rank0:
+            state[name.replace(".base_layer.", ".")] = full.cpu().clone()
+    return state if rank0 else None

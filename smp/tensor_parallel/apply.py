@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from smp._compat import check_sequence_parallel
 from smp.anatomy import Anatomy
 from smp.errors import ConfigError, PlanError
+from smp.tensor_parallel import lora
 from smp.tensor_parallel import registry as reg
 from smp.tensor_parallel.loss import use_vocab_parallel_loss
 from smp.tensor_parallel.registry import Options, build_style, text_config
@@ -46,6 +47,9 @@ def apply_tensor_parallel(
     """
     if sequence_parallel:
         check_sequence_parallel()  # before any change to the model: refused on torch < 2.11
+    if lora.tp_target(model) is not model:  # a PEFT model: its transformers model's plan (lora.py)
+        model, anatomy = lora.tp_target(model), None
+    lora.check_quantized(model, tp_mesh.device_type)  # QLoRA: refused, naming why
     tp = tp_mesh.size()
     resolved = resolve_plan(model, plan, config_plan, anatomy)
     check_head_counts(model, tp)
@@ -61,6 +65,9 @@ def apply_tensor_parallel(
             applied[a.name] += f" ({a.why})"
         style = build_style(a, opts, model)
         if style is None:  # declared whole on every rank, gradient whole too: nothing to do
+            continue
+        if lora.is_lora_layer(a.module):  # base split by the plan, adapters beside it (lora.py)
+            lora.parallelize_lora(a.name, a.module, a.style, style, tp_mesh, a.sequence_parallel and sequence_parallel)
             continue
         parallelize_module(a.module, tp_mesh, style)
     _retie(ties)

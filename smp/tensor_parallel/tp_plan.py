@@ -23,6 +23,7 @@ from smp._compat import model_tp_plan
 from smp.anatomy import Anatomy, describe
 from smp.errors import ConfigError
 from smp.tensor_parallel import registry as reg
+from smp.tensor_parallel.lora import is_lora_layer
 from smp.tensor_parallel.registry import Assignment, StyleSpec
 from smp.tensor_parallel.styles import is_conv1d
 
@@ -249,6 +250,8 @@ def _check_module_type(name: str, module: nn.Module, style: StyleSpec, source: s
     kind = reg.STYLES[style].applies_to
     if kind == reg.ANY:
         return
+    if is_lora_layer(module):  # a PEFT LoRA layer is split as its base layer (lora.py)
+        module = module.base_layer
     if kind == reg.EMBEDDING:
         ok, takes = isinstance(module, nn.Embedding), "nn.Embedding"
     else:

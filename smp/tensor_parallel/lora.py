@@ -1,0 +1,131 @@
+"""LoRA (PEFT) adapters under tensor parallel: the base layer is split by the model's plan as
+today, and each adapter pair is placed so that the layer's output equals one process's.
+
+A LoRA layer computes base(x) + B(A(x)) x scaling, A: in -> r, B: r -> out, r small.
+
+- column-wise base (q/k/v, gate/up; output features split, input x whole on every rank):
+  lora_A stays whole (replicated, a plain parameter) and lora_B is split column-wise like the
+  base, so B's output is this rank's features, added to the base's. The gradient reaching A's
+  output is summed over the tp ranks by B's column-wise input (as for the base's input).
+- row-wise base (o_proj, down_proj; input features split, partial sums reduced): lora_A is
+  split row-wise like the base (input features) and its r-wide partial output is all-reduced;
+  lora_B stays whole. One more all-reduce per layer, of r values per token (r << out): the
+  reverse (A whole) would need the whole input, an all-gather of `in` values per token.
+
+Adapters stay trainable parameters (DTensors where split), so FSDP shards them beside the base
+and `smp.integrations.save_adapter` gathers them whole. Refused (ConfigError, before any
+collective): sequence parallel with adapters, styles other than column-/row-wise on an adapted
+layer, DoRA, LoRA on embeddings.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from smp.errors import ConfigError
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def tp_target(model: nn.Module) -> nn.Module:
+    """The model whose plan tensor parallel follows: a PeftModel's transformers model (its
+    layers are the same modules), else `model`."""
+    if is_peft_model(model):
+        return model.get_base_model()
+    return model
+
+
+def check_quantized(model: nn.Module, device_type: str) -> None:
+    """QLoRA (bitsandbytes 4-/8-bit base weights): ConfigError naming the requirement. Its packed
+    integer weights cannot be split by tensor parallel, and bitsandbytes needs CUDA."""
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quant is None:
+        return
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    if quant.get("quant_method") != "bitsandbytes":
+        return
+    bits = "4-bit" if quant.get("load_in_4bit") else "8-bit"
+    where = ("bitsandbytes needs a CUDA device, this run is on " + device_type) if device_type != "cuda" else (
+        "its packed integer weights cannot be split by tensor parallel")
+    raise ConfigError(
+        f"{type(model).__name__} has bitsandbytes {bits} base weights (QLoRA) and tensor_parallel_degree > 1: "
+        f"{where}; train QLoRA with tensor_parallel_degree: 1 on CUDA, or LoRA on unquantised weights"
+    )
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA wrapper (base_layer plus lora_A / lora_B per adapter)."""
+    return (hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+
+
+def adapter_styles(base: str) -> tuple[ParallelStyle | None, ParallelStyle | None]:
+    """(lora_A's style, lora_B's style) beside a `base` ("colwise" / "rowwise") layer; None: left
+    whole (replicated)."""
+    if base == COLWISE:
+        return None, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
+    return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()), None
+
+
+def _base_style_name(style: object) -> str | None:
+    if style in (COLWISE, ROWWISE):
+        return style  # type: ignore[return-value]
+    if type(style) is ColwiseParallel:
+        return COLWISE
+    if type(style) is RowwiseParallel:
+        return ROWWISE
+    return None
+
+
+def parallelize_lora(name: str, module: nn.Module, style_name: object, base_style: ParallelStyle,
+                     tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Split LoRA layer `module` (plan entry `name`, style `style_name`): the base layer by
+    `base_style`, each adapter pair by `adapter_styles`."""
+    base = _base_style_name(style_name)
+    if base is None:
+        raise ConfigError(
+            f"tensor parallel: {name} carries LoRA adapters and its plan style is {style_name!r}; smp "
+            f"places adapters beside 'colwise' and 'rowwise' layers only: leave {name} out of the "
+            f"adapters' target_modules, or out of the tensor-parallel plan"
+        )
+    if sequence_parallel:
+        raise ConfigError(
+            f"tensor parallel: {name} carries LoRA adapters and tensor_parallel.sequence_parallel is "
+            f"true; adapters beside sequence-parallel layers are not built: set sequence_parallel: false"
+        )
+    if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
+        raise ConfigError(f"tensor parallel: {name} uses DoRA (use_dora=True), which smp does not split; "
+                          f"use plain LoRA or tensor_parallel_degree: 1")
+    if len(getattr(module, "lora_embedding_A", {})):
+        raise ConfigError(f"tensor parallel: {name} has LoRA embedding adapters, which smp does not split")
+    parallelize_module(module.base_layer, tp_mesh, base_style)
+    for adapter in module.lora_A:
+        style_a, style_b = adapter_styles(base)
+        if style_a is not None:
+            parallelize_module(module.lora_A[adapter], tp_mesh, style_a)
+        else:  # whole on every rank: takes the layer's input as a plain tensor (it may come as a DTensor)
+            module.lora_A[adapter].register_forward_pre_hook(_local_input)
+        if style_b is not None:
+            parallelize_module(module.lora_B[adapter], tp_mesh, style_b)
+
+
+def _local_input(module: nn.Module, args: tuple) -> tuple:
+    """A whole (replicated) adapter's input as this rank's plain tensor: a Replicate DTensor's
+    local value is the whole input; its gradient goes back as Replicate (the adapter's output
+    gradient is already summed over the tp ranks by lora_B's column-wise input)."""
+    for a in args:
+        if isinstance(a, DTensor) and any(not p.is_replicate() for p in a.placements):
+            raise ConfigError(f"tensor parallel: a LoRA adapter's input is split ({a.placements}), not whole; "
+                              f"smp places adapters beside layers whose input is whole or split by features")
+    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)

@@ -1,0 +1,134 @@
+"""LoRA (PEFT) under tensor parallel (x FSDP) vs the same PeftModel in one process; run on every
+rank of a RankPool, each case returns plain data.
+
+The adapters start random (`init_lora_weights=False`: PEFT's default B = 0 would leave A's
+gradient 0 and hide a wrong reduction), dropout 0; adapters on column-wise (q, v, gate) and
+row-wise (o, down) layers of a tiny Llama.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from typing import Iterator
+
+import torch
+from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+import smp
+from smp.integrations.peft import merged_state_dict, save_adapter
+from smp.tensor_parallel import lora
+from smp.testing.distributed import full_tensor, local_rows, world_mean
+from smp.testing.models import random_batch, tiny_llama
+
+VOCAB, BATCH, SEQ = 128, 4, 16
+TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+
+
+def build_peft(seed: int = 0) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    return get_peft_model(base, config)
+
+
+@contextlib.contextmanager
+def _corrupted(kind: str | None) -> Iterator[None]:
+    """`unreduced`: a row-wise layer's lora_A output is left as this rank's partial sum."""
+    saved = lora.adapter_styles
+    if kind == "unreduced":
+        def styles(base):
+            if base == lora.ROWWISE:
+                return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Partial()), None
+            return saved(base)
+        lora.adapter_styles = styles
+    elif kind is not None:
+        raise ValueError(kind)
+    try:
+        yield
+    finally:
+        lora.adapter_styles = saved
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def equivalence(config: dict, out_dir: str, steps: int = 2, corrupt: str | None = None) -> dict:
+    """Loss and every adapter gradient over `steps` SGD steps vs one process; then the saved
+    adapter folder and the merged weights vs PEFT's own in one process (rank 0)."""
+    with smp.session(config):
+        reference = build_peft()
+        model = copy.deepcopy(reference)
+        ids = random_batch(BATCH, SEQ, VOCAB, seed=5)
+        ref_opt = torch.optim.SGD(_trainable(reference).values(), lr=0.5)
+        ref_losses, ref_grads = [], []
+        for _ in range(steps):
+            loss = reference(input_ids=ids, labels=ids).loss
+            loss.backward()
+            ref_losses.append(float(loss.detach()))
+            ref_grads.append({n: p.grad.clone() for n, p in _trainable(reference).items()})
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+        with _corrupted(corrupt):
+            model = smp.transform(model)
+        opt = torch.optim.SGD(_trainable(model).values(), lr=0.5)
+        rows = local_rows(ids)
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses, "frozen_grads": 0,
+                  "adapters": len(_trainable(model))}
+        for step in range(steps):
+            loss = model(input_ids=rows, labels=rows).loss
+            loss.backward()
+            report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - ref_losses[step]))
+            report["frozen_grads"] += sum(p.grad is not None for p in model.parameters() if not p.requires_grad)
+            grads = {n: full_tensor(p.grad) for n, p in _trainable(model).items()}
+            report["grad_diff"] = max(report["grad_diff"], max(
+                float((grads[n] - ref_grads[step][n]).abs().max()) for n in ref_grads[step]))
+            opt.step()
+            opt.zero_grad()
+
+        ours, theirs = os.path.join(out_dir, "smp"), os.path.join(out_dir, "peft")
+        save_adapter(model, ours)
+        merged = merged_state_dict(model)
+        if smp.state.rank == 0:
+            reference.save_pretrained(theirs)
+            report.update(_compare_folders(ours, theirs))
+            expected = reference.merge_and_unload().state_dict()
+            report["merged_keys_equal"] = sorted(merged) == sorted(expected)
+            report["merged_diff"] = max(float((merged[k] - expected[k]).abs().max()) for k in expected)
+        return report
+
+
+def _compare_folders(ours: str, theirs: str) -> dict:
+    """The adapter files (tensors by name) and what PeftModel.from_pretrained loads from ours."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    a = load_file(os.path.join(ours, "adapter_model.safetensors"))
+    b = load_file(os.path.join(theirs, "adapter_model.safetensors"))
+    loaded = PeftModel.from_pretrained(build_peft(seed=1).get_base_model(), ours)
+    reloaded = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    return {
+        "adapter_keys_equal": sorted(a) == sorted(b),
+        "adapter_diff": max(float((a[k] - b[k]).abs().max()) for k in b),
+        "reloaded_adapters": len(reloaded),
+    }
+
+
+def transform_error(config: dict, quantized: bool = False) -> str:
+    """The error smp.transform raises for the LoRA model ('' if none); `quantized`: its config
+    says bitsandbytes 4-bit (QLoRA), as from_pretrained(quantization_config=...) leaves it."""
+    with smp.session(config):
+        model = build_peft()
+        if quantized:
+            model.get_base_model().config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+        try:
+            smp.transform(model)
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""
