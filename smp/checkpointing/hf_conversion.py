@@ -25,6 +25,7 @@ the same converters the way from_pretrained does (`smp._compat.CheckpointConvers
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +112,11 @@ def load(groups: list[Group], conversion: Any, folder: dict[str, Any], state: di
                     "a converter's sources to one dtype. Give them one dtype before load_hf."
                 )
             dtype = dtypes.pop()  # from_pretrained casts the sources to the model's dtype, then converts
-            sources = {p: [(k, folder[k].whole(dtype)) for k in keys] for p, keys in group.sources.items()}
+            # Readers, not tensors: transformers' converter reads each source when it runs and
+            # drops them after its first step (a merge's stack), so they are never held beside
+            # both of its results.
+            sources = {p: [(k, functools.partial(folder[k].whole, dtype)) for k in keys]
+                       for p, keys in group.sources.items()}
             try:
                 results = _converted(conversion, group, sources)
             except Exception as e:  # noqa: BLE001 - ran on the shapes, failed on the data: named

@@ -1,0 +1,93 @@
+"""Rank-side cases for tests/test_load_memory.py: the resident memory `smp.transform(meta model,
+weights=folder)` adds on a rank, against the bound docs/checkpoints.md states (this rank's part
+of the model plus its largest tensor), and the same load with every read through a memory
+mapping kept open to the end (what safetensors' readers do), the negative control."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import mmap
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import smp
+from smp.checkpointing import hf_read
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _config():
+    import transformers as T
+
+    return T.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+
+
+@contextlib.contextmanager
+def _mapped_reads():
+    """Stored.read through a mapping of the whole file, kept until the load ends."""
+    maps: dict[str, mmap.mmap] = {}
+    original = hf_read.Stored.read
+
+    def read(self, offsets, sizes, out):
+        for entry, _ in self.pieces:
+            if entry.file not in maps:
+                with open(entry.file, "rb") as f:
+                    maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a read-only buffer: only read here
+                whole = torch.frombuffer(maps[entry.file], dtype=entry.dtype, offset=entry.start,
+                                         count=max(1, int(torch.Size(entry.shape).numel()))).view(entry.shape)
+            for dim, (o, z) in enumerate(zip(offsets, sizes)):
+                whole = whole.narrow(dim, o, z)
+            out.copy_(whole)
+
+    hf_read.Stored.read = read
+    try:
+        yield
+    finally:
+        hf_read.Stored.read = original
+        for m in maps.values():
+            with contextlib.suppress(BufferError):
+                m.close()
+
+
+def load_ratio(config: dict, root: str, mapped: bool) -> dict:
+    """Peak VmHWM above the rank's resident memory before `smp.transform(meta, weights=)`, over
+    (model bytes / world + largest tensor): {"ratio", "peak_mib", "bound_mib"}."""
+    from transformers import LlamaForCausalLM
+
+    folder = os.path.join(root, "llama")
+    try:
+        with smp.session(config):
+            if dist.get_rank() == 0:
+                torch.manual_seed(0)
+                LlamaForCausalLM(_config()).save_pretrained(folder)
+            dist.barrier()
+            with torch.device("meta"):
+                meta = LlamaForCausalLM(_config())
+            sizes = [t.numel() * t.element_size() for t in meta.state_dict().values()]
+            bound = sum(sizes) / dist.get_world_size() + max(sizes)
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the kernel: the load's own pages count
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            base = _status("VmRSS")
+            with _mapped_reads() if mapped else contextlib.nullcontext():
+                model = smp.transform(meta, weights=folder)
+                peak = _status("VmHWM") - base
+            del model
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    return {"ratio": peak / bound, "peak_mib": peak / 2**20, "bound_mib": bound / 2**20}
