@@ -7,6 +7,7 @@ import inspect
 import math
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -18,13 +19,13 @@ from torch.distributed.tensor import DTensor
 
 from smp import runtime
 from smp.context_parallel import sharding as context_parallel_sharding
-from smp.context_parallel.attention import active as active_context_parallel
+from smp.context_parallel.attention import ContextParallelSetup, active as active_context_parallel
 from smp.context_parallel.hf import is_hf_model
 from smp.errors import UsageError
 from smp.mesh import device_type_for
 from smp.pipeline import schedule as pipeline_schedule
 from smp.pipeline.schedule import PipelinedModel
-from smp.tensor_parallel import loss_parallel
+from smp.tensor_parallel.loss import loss_parallel_if
 
 
 @torch.no_grad()
@@ -129,6 +130,35 @@ IGNORE_INDEX = -100  # label value that contributes no loss (transformers' conve
 LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]  # loss_fn(outputs, batch) -> scalar
 
 
+@dataclass(frozen=True)
+class DataRanks:
+    """Where the rows of the global batch lie, for a model every rank runs whole: the
+    data-parallel group (None: one rank), the context parallel setup (None: off), and whether
+    the logits come vocab-sharded (tensor_parallel.loss_parallel)."""
+
+    dp_group: dist.ProcessGroup | None
+    dp: int
+    cp: ContextParallelSetup | None
+    loss_parallel: bool
+    device: torch.device
+
+    @property
+    def count(self) -> int:
+        """The ranks FSDP averages the gradients over: every data-parallel rank, times cp."""
+        return self.dp * (1 if self.cp is None else self.cp.size)
+
+
+def _data_ranks() -> DataRanks:
+    """The running session's DataRanks (read by the entry points, handed down as a value)."""
+    state = runtime.current()
+    cp = active_context_parallel()
+    return DataRanks(
+        dp_group=state.dp_mesh.get_group() if state.dims.dp > 1 else None, dp=state.dims.dp,
+        cp=None if cp is None or cp.size == 1 else cp,
+        loss_parallel=state.dims.tp > 1 and state.config.tensor_parallel.loss_parallel, device=state.device,
+    )
+
+
 def step(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None,
          accumulate: bool = False, scale: float = 1.0) -> torch.Tensor:
     """Forward and backward of `batch` on the model smp.transform returned, whatever its layout
@@ -153,7 +183,7 @@ def step(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: LossFn | None =
     with no_sync(model) if accumulate else nullcontext():
         if isinstance(model, PipelinedModel):
             return model.run(batch, train=True, loss_fn=loss_fn, scale=scale, caller="smp.step")
-        return _whole_model_step(model, batch, loss_fn, scale, train=True, caller="smp.step")
+        return _whole_model_step(model, batch, _data_ranks(), loss_fn, scale, train=True, caller="smp.step")
 
 
 def evaluate(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -162,25 +192,21 @@ def evaluate(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: LossFn | No
     with torch.no_grad():
         if isinstance(model, PipelinedModel):
             return model.run(batch, train=False, loss_fn=loss_fn, caller="smp.evaluate")
-        return _whole_model_step(model, batch, loss_fn, 1.0, train=False, caller="smp.evaluate")
+        return _whole_model_step(model, batch, _data_ranks(), loss_fn, 1.0, train=False, caller="smp.evaluate")
 
 
-def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None, scale: float,
-                      train: bool, caller: str) -> torch.Tensor:
+def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], ranks: DataRanks, loss_fn: LossFn | None,
+                      scale: float, train: bool, caller: str) -> torch.Tensor:
     """A model every rank runs whole (FSDP, TP, CP, EP): this rank's share of the global loss,
     weighed so that the gradient mean FSDP takes over the data ranks is the global one."""
-    state = runtime.current()
-    dp_group = state.dp_mesh.get_group() if state.dims.dp > 1 else None
-    cp = active_context_parallel()
-    cp = None if cp is None or cp.size == 1 else cp
-    data_ranks = state.dims.dp * (1 if cp is None else cp.size)  # the ranks FSDP averages gradients over
-    _check_auxiliary_loss(model, data_ranks, caller)
+    cp = ranks.cp
+    _check_auxiliary_loss(model, ranks.count, caller)
     _check_takes_loss_count(model, loss_fn is None, caller)
     inputs = _with_labels(batch, caller)
     # The global batch's target count, summed over the data-parallel ranks (cp ranks hold the same rows).
-    targets = pipeline_schedule.global_target_count(inputs["labels"], dp_group, state.device)
-    # Each rank's loss is its summed token losses over count / data_ranks: their mean is the global mean.
-    share = targets.clamp(min=1.0).float() / data_ranks
+    targets = pipeline_schedule.global_target_count(inputs["labels"], ranks.dp_group, ranks.device)
+    # Each rank's loss is its summed token losses over count / ranks: their mean is the global mean.
+    share = targets.clamp(min=1.0).float() / ranks.count
     if cp is not None:  # this rank's chunks of each row, labels shifted over the whole row first
         inputs = context_parallel_sharding.shard_batch(inputs, cp_size=cp.size, cp_rank=cp.rank,
                                                        load_balance=cp.load_balance)
@@ -188,7 +214,7 @@ def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossF
     # loss_fn that divides its sum by it, weigh every target of the global batch alike.
     inputs["num_items_in_batch"] = share
     outputs = _call_model(model, inputs, caller)
-    with loss_parallel():  # vocab-sharded logits (tensor_parallel.loss_parallel): loss and backward inside
+    with loss_parallel_if(ranks.loss_parallel):  # vocab-sharded logits: the loss and its backward inside
         if loss_fn is not None:
             loss = loss_fn(outputs, inputs)
         elif is_hf_model(model):
@@ -200,11 +226,11 @@ def _whole_model_step(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossF
     total = loss.detach().float()
     # A loss over vocab-sharded logits is a replicated DTensor: its value is on every tp rank.
     total = (total.full_tensor() if isinstance(total, DTensor) else total).clone()
-    if dp_group is not None:
-        dist.all_reduce(total, group=dp_group)
+    if ranks.dp_group is not None:
+        dist.all_reduce(total, group=ranks.dp_group)
     if cp is not None:
         dist.all_reduce(total, group=cp.group)
-    return total / data_ranks
+    return total / ranks.count
 
 
 def _with_labels(batch: Mapping[str, Any], caller: str) -> dict[str, Any]:
