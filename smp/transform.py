@@ -1,9 +1,15 @@
-"""`smp.transform(model)`: the parallelism recipe, in the order the techniques must compose."""
+"""`smp.transform(model)`: the parallelism recipe, in the order the techniques must compose.
+
+The recipe is RECIPE, a list of named steps (when it applies, what it does) run over the model's
+anatomy (smp/anatomy.py), found once; `smp plan` runs the same list on a meta model.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -11,11 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from smp import composition, runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
-from smp.anatomy import describe
+from smp.anatomy import Anatomy, describe
 from smp.compile import apply_compile
 from smp.config import ConfigError, MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
-from smp.context_parallel.probe import install_attention_probe
+from smp.context_parallel.probe import AttentionProbe, install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.pipeline import build_pipeline
@@ -106,72 +112,83 @@ def _check_router_loss(model: nn.Module, moe: MoEConfig, pp: int) -> None:
         )
 
 
-def apply_parallelism(
-    model: nn.Module, cfg: SMPConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, *,
-    tp_plan: dict[str, str] | None = None, materialize: bool = True, moe_config: MoEConfig | None = None,
-) -> nn.Module:
-    """`transform` with the state passed in: `cfg` applied over `mesh` (the 3-D mesh of `dims`),
-    parameters on `device`. `smp plan` runs it under a fake process group, without smp.init.
-    The config is unpacked here: each step below takes plain values."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"smp.transform expects an nn.Module, got {type(model).__name__}")
-    on_meta = has_meta_tensors(model)
-    if not on_meta:
-        model.to(device)
-    # The model's parts, found once: every step below reads this picture (smp/anatomy.py).
-    anatomy = describe(model, cfg.shard_modules)
+@dataclass
+class Run:
+    """What the recipe's steps share: the run's values, the model's anatomy, and what an earlier
+    step leaves for a later one (the context-parallel probe, the blocks)."""
 
-    # 1. Tensor parallel first: it rewrites the layers that everything after wraps.
-    if dims.tp > 1:
-        tp = cfg.tensor_parallel
-        apply_tensor_parallel(
-            model, mesh["tp"], tp_plan, config_plan=tp.plan,
-            sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel, anatomy=anatomy,
-        )
-    # 1b. Context parallel: attention across the cp ranks' sequence chunks (wraps nothing).
-    cp_probe = None
-    if dims.cp > 1:
-        cp = cfg.context_parallel
-        cp_probe = apply_context_parallel(model, mesh["cp"], cp.algorithm, cp.load_balance, tp=dims.tp)
-    # 1c. Expert parallel before checkpointing and FSDP wrap the blocks: experts split over "ep",
-    #     each experts module its own FSDP unit over the data-parallel ranks left (torchtitan's order).
-    moe = moe_config or cfg.moe
-    if dims.ep > 1:
-        mp = cfg.mixed_precision
-        experts = apply_expert_parallel(model, mesh["ep"], resolve_ep_plan(model, moe.plan), moe.capacity_factor)
-        shard_experts(
-            experts, expert_fsdp_mesh(mesh, dims),
-            param_dtype=torch_dtype(mp.param_dtype), reduce_dtype=torch_dtype(mp.reduce_dtype),
-            output_dtype=torch_dtype(mp.output_dtype), cast_forward_inputs=mp.cast_forward_inputs,
-            reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
-        )
-    # 1d. An MoE model's own load-balancing loss is a product of batch means: with the batch split
-    #     over data-parallel ranks (EP or not) its router statistics are summed over them first.
+    cfg: SMPConfig
+    dims: ParallelDims
+    mesh: DeviceMesh
+    device: torch.device
+    anatomy: Anatomy
+    tp_plan: dict[str, str] | None
+    moe: MoEConfig
+    blocks: list[nn.Module] = field(default_factory=list)
+    cp_probe: AttentionProbe | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    applies: Callable[[ParallelDims, SMPConfig], bool]
+    apply: Callable[[nn.Module, Run], None]
+
+
+def _tensor_parallel(model: nn.Module, run: Run) -> None:
+    tp = run.cfg.tensor_parallel
+    apply_tensor_parallel(model, run.mesh["tp"], run.tp_plan, config_plan=tp.plan, sequence_parallel=tp.sequence_parallel,
+                          loss_parallel=tp.loss_parallel, anatomy=run.anatomy)
+
+
+def _context_parallel(model: nn.Module, run: Run) -> None:
+    cp = run.cfg.context_parallel
+    run.cp_probe = apply_context_parallel(model, run.mesh["cp"], cp.algorithm, cp.load_balance, tp=run.dims.tp)
+
+
+def _expert_parallel(model: nn.Module, run: Run) -> None:
+    cfg, mp = run.cfg, run.cfg.mixed_precision
+    experts = apply_expert_parallel(model, run.mesh["ep"], resolve_ep_plan(model, run.moe.plan), run.moe.capacity_factor)
+    shard_experts(
+        experts, expert_fsdp_mesh(run.mesh, run.dims),
+        param_dtype=torch_dtype(mp.param_dtype), reduce_dtype=torch_dtype(mp.reduce_dtype),
+        output_dtype=torch_dtype(mp.output_dtype), cast_forward_inputs=mp.cast_forward_inputs,
+        reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
+    )
+
+
+def _load_balancing(model: nn.Module, run: Run) -> None:
+    dims = run.dims
     apply_load_balancing(
-        model, mesh["dp"].get_group() if dims.dp > 1 else None, moe.moe_load_balancing, moe.moe_aux_loss_coeff,
+        model, run.mesh["dp"].get_group() if dims.dp > 1 else None, run.moe.moe_load_balancing,
+        run.moe.moe_aux_loss_coeff,
         unsupported=(f"context_parallel_degree={dims.cp}: {composition.row('aux_loss', 'cp').reason}"
                      if dims.cp > 1 else None),
     )
-    blocks = anatomy.block_modules(model)
-    # 2. Activation checkpointing / offloading wrap the blocks before FSDP sees them, so that
-    #    recompute runs inside FSDP's unshard/reshard of each block.
-    ac = cfg.activation_checkpointing
-    apply_activation_checkpointing(
-        model, blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops
-    )
-    if cfg.activation_offloading:
-        apply_activation_offloading(
-            model, blocks, horizon=cfg.activation_loading_horizon, min_bytes=cfg.activation_offload_min_bytes
-        )
-    if cfg.compile.enabled:  # per block, after TP and checkpointing, before FSDP (torchtitan's order)
-        apply_compile(model, blocks, cfg.compile.backend)
-    # 3. FSDP last: one unit per block, then the root. (1-D over dp_shard when smp's hook, not
-    #    native HSDP, syncs the replicas: gradient_sync.cross_replica.)
-    #    Skipped where it would shard over one rank and nothing else needs it (fsdp_needed).
-    sync = cfg.gradient_sync
+
+
+def _activation_checkpointing(model: nn.Module, run: Run) -> None:
+    ac = run.cfg.activation_checkpointing
+    apply_activation_checkpointing(model, run.blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops)
+
+
+def _activation_offloading(model: nn.Module, run: Run) -> None:
+    cfg = run.cfg
+    apply_activation_offloading(model, run.blocks, horizon=cfg.activation_loading_horizon,
+                                min_bytes=cfg.activation_offload_min_bytes)
+
+
+def _compile(model: nn.Module, run: Run) -> None:
+    apply_compile(model, run.blocks, run.cfg.compile.backend)
+
+
+def _fsdp(model: nn.Module, run: Run) -> None:
+    """One unit per block, then the root; 1-D over dp_shard when smp's hook, not native HSDP, syncs
+    the replicas (gradient_sync.cross_replica). Skipped where it would shard over one rank and
+    nothing else needs it (fsdp_needed)."""
+    cfg, dims, sync, mp = run.cfg, run.dims, run.cfg.gradient_sync, run.cfg.mixed_precision
     by_hook = replicas_by_hook(sync.cross_replica, dims)
-    mp = cfg.mixed_precision
-    shard_mesh = fsdp_mesh(mesh, dims, by_hook)
+    shard_mesh = fsdp_mesh(run.mesh, dims, by_hook)
     dtypes = dict(param_dtype=torch_dtype(mp.param_dtype), output_dtype=torch_dtype(mp.output_dtype))
     if fsdp_needed(shard_mesh.size(), **dtypes, cpu_offload=cfg.cpu_offload,
                    custom_sync=sync.algorithm != "default" or by_hook):
@@ -181,27 +198,74 @@ def apply_parallelism(
         # hpZ (parameter_gather.hierarchical): blocks stay sharded over the node after forward.
         reshard = gather_reshard_after_forward(reshard, cfg.parameter_gather.hierarchical, dims.dp_shard * dims.cp)
         apply_fsdp(
-            model, shard_mesh, blocks, **dtypes, reduce_dtype=torch_dtype(mp.reduce_dtype),
+            model, shard_mesh, run.blocks, **dtypes, reduce_dtype=torch_dtype(mp.reduce_dtype),
             cast_forward_inputs=mp.cast_forward_inputs, reshard_after_forward=reshard,
             cpu_offload=cfg.cpu_offload, fixed_units=dims.pp > 1 or sync.algorithm != "default" or by_hook
             or cfg.parameter_gather.algorithm != "default" or bool(cfg.parameter_gather.hierarchical),  # units fixed
         )
     elif dims.tp > 1:
         settle_partial_grads(model)
-    # 4. Gradient sync: smp_collectives' collectives on every FSDP unit, when configured.
+
+
+def _gradient_sync(model: nn.Module, run: Run) -> None:
+    sync = run.cfg.gradient_sync
+    by_hook = replicas_by_hook(sync.cross_replica, run.dims)
     install_gradient_sync(
         model, sync.algorithm, block_size=sync.block_size, error_feedback=sync.error_feedback,
-        cross_replica=sync.cross_replica, replica_group=mesh["dp_replicate"].get_group() if by_hook else None,
+        cross_replica=sync.cross_replica, replica_group=run.mesh["dp_replicate"].get_group() if by_hook else None,
     )
-    # 4b. Parameter gather: quantised (and in-node in backward) all-gathers, when configured.
-    gather = cfg.parameter_gather
-    install_parameter_gather(model, gather.algorithm, block_size=gather.block_size,
-                             hierarchical=gather.hierarchical, param_dtype=dtypes["param_dtype"])
-    # 5. Last, so that its pre-forward hook runs before FSDP's root one (all-gathers): the
-    #    first forward is replayed on the meta device, refusing attention smp cannot see.
-    if cp_probe is not None:
-        install_attention_probe(model, cp_probe)
 
+
+def _parameter_gather(model: nn.Module, run: Run) -> None:
+    gather, mp = run.cfg.parameter_gather, run.cfg.mixed_precision
+    install_parameter_gather(model, gather.algorithm, block_size=gather.block_size,
+                             hierarchical=gather.hierarchical, param_dtype=torch_dtype(mp.param_dtype))
+
+
+def _attention_probe(model: nn.Module, run: Run) -> None:
+    """The first forward is replayed on the meta device, refusing attention smp cannot see."""
+    install_attention_probe(model, run.cp_probe)
+
+
+def _always(dims: ParallelDims, cfg: SMPConfig) -> bool:
+    return True
+
+
+# The recipe, in the order the techniques must compose (torchtitan's parallelize). Each step says
+# when it applies and what it does; `smp.transform` and `smp plan` run this one list.
+RECIPE = (
+    Step("tensor_parallel", lambda d, c: d.tp > 1, _tensor_parallel),  # first: rewrites the layers the rest wraps
+    Step("context_parallel", lambda d, c: d.cp > 1, _context_parallel),  # attention over the cp chunks; wraps nothing
+    Step("expert_parallel", lambda d, c: d.ep > 1, _expert_parallel),  # experts split and sharded before blocks are wrapped
+    Step("load_balancing", _always, _load_balancing),  # the router loss summed over the data-parallel ranks
+    Step("activation_checkpointing", _always, _activation_checkpointing),  # inside FSDP's unshard / reshard
+    Step("activation_offloading", lambda d, c: c.activation_offloading, _activation_offloading),
+    Step("compile", lambda d, c: c.compile.enabled, _compile),  # per block, after TP and checkpointing
+    Step("fsdp", _always, _fsdp),  # last wrapper: one unit per block, then the root
+    Step("gradient_sync", _always, _gradient_sync),  # smp's collectives on every FSDP unit, when configured
+    Step("parameter_gather", _always, _parameter_gather),  # quantised / in-node all-gathers, when configured
+    Step("attention_probe", lambda d, c: d.cp > 1, _attention_probe),  # last: its hook runs before FSDP's root one
+)
+
+
+def apply_parallelism(
+    model: nn.Module, cfg: SMPConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, *,
+    tp_plan: dict[str, str] | None = None, materialize: bool = True, moe_config: MoEConfig | None = None,
+) -> nn.Module:
+    """`transform` with the state passed in: `cfg` applied over `mesh` (the mesh of `dims`),
+    parameters on `device`, by the steps of RECIPE. `smp plan` runs it under a fake process
+    group, without smp.init."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"smp.transform expects an nn.Module, got {type(model).__name__}")
+    on_meta = has_meta_tensors(model)
+    if not on_meta:
+        model.to(device)
+    # The model's parts, found once: every step reads this picture (smp/anatomy.py).
+    anatomy = describe(model, cfg.shard_modules)
+    run = Run(cfg, dims, mesh, device, anatomy, tp_plan, moe_config or cfg.moe, anatomy.block_modules(model))
+    for step in RECIPE:
+        if step.applies(dims, cfg):
+            step.apply(model, run)
     model._smp_transformed = True  # is_transformed(): FSDP's class alone does not say it (skipped over one rank)
     # materialize=False leaves a meta model on meta: shapes and placements only (`smp plan`).
     if on_meta and materialize:

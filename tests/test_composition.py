@@ -134,3 +134,40 @@ def test_every_named_test_exists():
         path, test = name.split("::")
         source = (ROOT / path).read_text()
         assert re.search(rf"^def {re.escape(test)}\(", source, re.M), name
+
+
+# --- the recipe: one ordered list of named steps (smp/transform.py) ----------------------------
+
+def _steps(config: dict, world: int) -> list[str]:
+    from smp.transform import RECIPE
+
+    cfg = load_config(config)
+    dims = ParallelDims.from_config(cfg, world)
+    return [s.name for s in RECIPE if s.applies(dims, cfg)]
+
+
+def test_recipe_steps_in_their_order():
+    always = ["load_balancing", "activation_checkpointing", "fsdp", "gradient_sync", "parameter_gather"]
+    assert _steps({}, 2) == always
+    assert _steps({"tensor_parallel_degree": 2, "context_parallel_degree": 2, "compile": True}, 4) == [
+        "tensor_parallel", "context_parallel", *always[:2], "compile", *always[2:], "attention_probe"]
+    assert _steps({"expert_parallel_degree": 2, "activation_offloading": True}, 2) == [
+        "expert_parallel", *always[:2], "activation_offloading", *always[2:]]
+
+
+def test_smp_plan_runs_the_recipe_and_its_order_matters(monkeypatch):
+    """`smp plan` (the recipe on a meta model under a fake world) runs RECIPE; negative control:
+    with FSDP moved before tensor parallel, the same plan fails (TP then meets sharded parameters)."""
+    import importlib
+
+    from smp.planning import plan
+
+    transform = importlib.import_module("smp.transform")  # the module (smp.transform is also the function)
+
+    config = load_config({"tensor_parallel_degree": 2})
+    plan(config, "tiny", 4, seq_len=16, micro_batch=1)
+    by_name = {s.name: s for s in transform.RECIPE}
+    swapped = [by_name["fsdp"]] + [s for s in transform.RECIPE if s.name != "fsdp"]
+    monkeypatch.setattr(transform, "RECIPE", tuple(swapped))
+    with pytest.raises(ValueError, match="Cannot distribute a DTensor"):
+        plan(config, "tiny", 4, seq_len=16, micro_batch=1)
