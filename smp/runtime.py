@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from smp import scope as _scope
 from smp.config import ConfigError, ConfigSource, SMPConfig, load_config
 from smp.mesh import ParallelDims, default_backend, device_type_for
+from smp.reliability.guard import report_uncaught_errors
 from smp.reliability.rendezvous import restart_safe_store
 from smp.reliability.teardown import barrier_each, forget_mesh_groups, release_at_exit, release_unreferenced_groups
 from smp.reliability.timeouts import apply_collective_timeout, rendezvous_timeout
@@ -254,6 +255,7 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
     )
     seed_everything(cfg.random_seed)
     _agree_on_run_id()
+    report_uncaught_errors()  # an error outside every step_guard is reported as one (guard.py)
     if accelerate is not None:  # the script's Accelerator(s) run on smp until shutdown
         accelerate.start(world_size)
     return _STATE

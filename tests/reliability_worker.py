@@ -7,6 +7,9 @@ backward (mid-step), it does --mode:
   hang   - sleeps forever             ok    - nothing (a clean run)
   kill   - SIGKILLs itself (as the OOM killer would)
   stop   - SIGSTOPs itself (frozen until someone sends SIGCONT)
+  chained - raises RuntimeError("[Stage 1] failed to run forward:" ...) from a ValueError, as
+           torch's pipeline stage wraps a stage's error
+  setup  - raises ValueError before its first step_guard (the others are already in step 0)
 With --ckpt DIR it saves a checkpoint after every step and resumes from the latest one at start;
 the failure then happens only on the first attempt (torchrun --max-restarts restarts it).
 """
@@ -28,7 +31,7 @@ from smp.testing.models import TinyTransformer
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["raise", "exit", "hang", "ok", "kill", "stop"], default="ok")
+    ap.add_argument("--mode", choices=["raise", "exit", "hang", "ok", "kill", "stop", "chained", "setup"], default="ok")
     ap.add_argument("--fail-rank", type=int, default=1)
     ap.add_argument("--fail-step", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     rank = smp.state.rank
     model = smp.transform(TinyTransformer(vocab=64, dim=32, hidden=64, layers=2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if args.mode == "setup" and rank == args.fail_rank:
+        raise ValueError(f"injected setup failure on rank {rank}")
 
     start = 0
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -75,6 +80,11 @@ def main(argv: list[str] | None = None) -> None:
 def _fail(mode: str, rank: int, step: int) -> None:
     if mode == "raise":
         raise ValueError(f"injected failure on rank {rank} at step {step}")
+    if mode == "chained":
+        try:
+            raise ValueError(f"injected failure on rank {rank} at step {step}")
+        except ValueError as e:
+            raise RuntimeError(f"\n    [Stage {rank}] failed to run forward:\n    args: ('Tensor(...)',)\n") from e
     if mode == "exit":
         sys.stdout.flush()
         os._exit(7)

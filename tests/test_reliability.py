@@ -636,3 +636,52 @@ def test_a_partial_folder_taken_over_mid_save_is_not_committed(tmp_path, monkeyp
     finally:
         other.kill()
         other.wait()
+
+
+def _smp_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("[smp]")]
+
+
+@pytest.mark.slow
+def test_a_wrapped_error_is_reported_by_its_cause_once_per_rank(tmp_path):
+    """torch's pipeline raises "[Stage 1] failed to run forward:" (multi-line) from the stage's
+    own error; the one-line [smp] message kept only that line, and rank 0 printed its stop line
+    twice (its main thread and its watchdog both reached the stop). Now the line names the
+    innermost cause, and each rank prints one [smp] line."""
+    codes, outputs, _ = _launch(2, ["--mode", "chained", "--fail-step", "1", "--timeout", "300"], tmp_path)
+    assert codes[1] == 1 and codes[0] == PEER_FAILURE_EXIT_CODE, _explain(codes, outputs)
+    cause = "(caused by ValueError: injected failure on rank 1 at step 1)"
+    own, stop = _smp_lines(outputs[1]), _smp_lines(outputs[0])
+    assert len(own) == 1 and "RuntimeError: [Stage 1] failed to run forward:" in own[0] and cause in own[0], own
+    assert len(stop) == 1 and stop[0].startswith("[smp] rank 0 stopping at step 1") and cause in stop[0], outputs[0]
+
+
+def test_describe_names_the_innermost_cause():
+    """The one-line description (negative control: an unchained error stays as it was)."""
+    from smp.reliability.guard import _describe
+
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError as e:
+            raise RuntimeError("\n  outer\n  more") from e
+    except RuntimeError as e:
+        assert _describe(e) == "RuntimeError: outer (caused by KeyError: 'inner')"
+    assert _describe(ValueError("plain\nsecond")) == "ValueError: plain"
+
+
+@pytest.mark.slow
+def test_an_error_before_the_first_step_guard_is_an_error_not_a_death(tmp_path):
+    """World 4: rank 1 raises while setting up, the others are in step 0. They described it as
+    a rank that "died without a Python error (killed, OOM, segfault)", plus a census line about
+    a peer that was itself taking the census. Now rank 1 reports its error (smp.init installs
+    the report for errors outside every step_guard) and every other rank stops naming it."""
+    codes, outputs, elapsed = _launch(4, ["--mode", "setup", "--timeout", "300"], tmp_path)
+    assert None not in codes, _explain(codes, outputs)
+    assert codes[1] == 1 and all(codes[r] == PEER_FAILURE_EXIT_CODE for r in (0, 2, 3)), _explain(codes, outputs)
+    record = "rank 1 failed before its first step_guard: ValueError: injected setup failure on rank 1"
+    assert record in outputs[1], outputs[1]
+    for r in (0, 2, 3):
+        assert any(record in line for line in _smp_lines(outputs[r])), _explain(codes, outputs)
+        assert "did not answer" not in outputs[r] and "not in a collective" not in outputs[r], outputs[r]
+    assert elapsed < DEADLINE

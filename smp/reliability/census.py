@@ -23,6 +23,9 @@ CENSUS_SECONDS = 3.0
 # Store key of the request (its value: the asking rank); answers go to "census/<rank>".
 CENSUS_KEY = "census"
 NOT_IN_COLLECTIVE = "outside torch.distributed"
+# A rank whose own collective failed too, answering while it reports that failure (or takes a
+# census of its own): alive and not hung, so no census line names it.
+REPORTING = "reporting a failed collective itself"
 # Store key of a rank's "<hostname> <pid>", for telling a dead process from a frozen one.
 PROCESS_KEY = "process"
 
@@ -65,7 +68,7 @@ def take_census(store: dist.Store, rank: int, world: int, step: int) -> tuple[st
                 answers[r] = store.get(key).decode()
         time.sleep(0.05)
     silent = [r for r in others if r not in answers]
-    stuck = {r: a for r, a in answers.items() if NOT_IN_COLLECTIVE in a}
+    stuck = {r: a for r, a in answers.items() if NOT_IN_COLLECTIVE in a and REPORTING not in a}
     pids = {r: local_pid(store, r) for r in silent}
     frozen = {r: pid for r, pid in pids.items() if pid is not None and process_state(pid) in ("T", "t")}
     gone = [r for r in silent if r not in frozen]
@@ -104,14 +107,18 @@ def where_is_main(step: int | None) -> str:
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return f"step {step}, main thread finished"
-    in_collective = False
+    in_collective = reporting = False
     innermost_user = None
     while frame is not None:
         filename = frame.f_code.co_filename
+        if frame.f_code.co_name == "_handle_failure" and filename.endswith(os.path.join("reliability", "guard.py")):
+            reporting = True
         if f"torch{os.sep}distributed" in filename:
             in_collective = True
         elif innermost_user is None and f"{os.sep}torch{os.sep}" not in filename:
             innermost_user = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     state = "in torch.distributed" if in_collective else NOT_IN_COLLECTIVE
+    if reporting:
+        state = f"{NOT_IN_COLLECTIVE}, {REPORTING}"
     return f"step {step}, {state}, at {innermost_user}"

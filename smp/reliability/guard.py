@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -91,6 +91,14 @@ class _Watch:
         # pid of the store's host (rank 0) when it runs on this host: once it is dead, no store
         # call is made (each would fail, and torch logs every failure with a C++ stack dump).
         self.store_host_pid: int | None = None
+        self._stop_line = threading.Lock()  # the "stopping" line: printed once per rank
+        self.stop_line_printed = False
+
+    def claim_stop_line(self) -> bool:
+        """True the first time only: the main thread and the watchdog may both reach the stop."""
+        with self._stop_line:
+            first, self.stop_line_printed = not self.stop_line_printed, True
+            return first
 
     def stop_thread(self) -> None:
         self.stop.set()
@@ -164,16 +172,63 @@ def step_guard(step: int) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Errors outside every step_guard
+
+
+class _UncaughtErrors:
+    """The session's `sys.excepthook`: an exception that ends this process outside any step_guard
+    (before the first one, or between steps) is reported to every rank as an error, like one
+    inside a guard. Without it the ranks waiting in a collective took this rank for one that died
+    without a Python error (killed, OOM, segfault). `close` puts the previous hook back."""
+
+    def __init__(self) -> None:
+        self.previous = sys.excepthook
+        sys.excepthook = self
+
+    def __call__(self, exc_type: type, exc: BaseException, tb: Any) -> None:
+        self.previous(exc_type, exc, tb)  # the traceback first, as always
+        try:
+            _report_uncaught(exc)
+        except BaseException:  # noqa: BLE001 - a failing report must not hide the error above
+            pass
+
+    def close(self) -> None:
+        if sys.excepthook is self:
+            sys.excepthook = self.previous
+
+
+_UNCAUGHT: Slot[_UncaughtErrors] = Slot("uncaught-error report", make=_UncaughtErrors, close=_UncaughtErrors.close)
+
+
+def report_uncaught_errors() -> None:
+    """(smp.init) Install this session's report of errors raised outside every step_guard."""
+    _UNCAUGHT.get()
+
+
+def _report_uncaught(exc: BaseException) -> None:
+    if isinstance(exc, (*_AGREED_ERRORS, KeyboardInterrupt)) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    watch = _WATCH.get()
+    if watch.handling:
+        return  # a step_guard has reported it already
+    where = ("failed before its first step_guard" if watch.step is None
+             else f"failed after step {watch.step}, outside step_guard")
+    _handle_failure(watch, exc, watch.step, where)
+
+
+# ----------------------------------------------------------------------------------------------
 # Failing rank
 
 
-def _handle_failure(watch: _Watch, exc: BaseException, step: int) -> None:
-    """Report `exc` to every rank; raise PeerFailure if another rank failed first."""
+def _handle_failure(watch: _Watch, exc: BaseException, step: int | None, where: str | None = None) -> None:
+    """Report `exc` to every rank; raise PeerFailure if another rank failed first. `where`: how
+    the record places the failure (default "failed at step S")."""
+    where = where or f"failed at step {step}"
     if not dist.is_initialized():
-        _note(exc, f"smp: failed at step {step}")
+        _note(exc, f"smp: {where}")
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    own = f"rank {rank} failed at step {step}: {_describe(exc)}"
+    own = f"rank {rank} {where}: {_describe(exc)}"
     if world == 1:
         _note(exc, "smp: " + own)
         return
@@ -201,7 +256,7 @@ def _handle_failure(watch: _Watch, exc: BaseException, step: int) -> None:
         if _is_collective_error(exc):
             # Both the collective and the store failed: the store's host died, and this rank's
             # peers lost it too. No rank to name but that host; this rank is not to blame.
-            _stop_process(
+            _stop_process(watch=watch, message=
                 f"rank {rank} stopping at step {step}: {_store_host()} is gone ({why}); its log "
                 f"or the launcher's has the cause. Here: {_describe(exc)[:200]}"
             )
@@ -214,7 +269,8 @@ def _handle_failure(watch: _Watch, exc: BaseException, step: int) -> None:
         return
     if record != own:
         message = _stopping_message(rank, step, record)
-        _log(message)
+        if watch.claim_stop_line():
+            _log(message)
         _acknowledge(store, rank)
         _wait_for_failing_rank_to_exit(store)
         raise PeerFailure(message) from exc
@@ -294,7 +350,12 @@ def _agent_hosts_store() -> bool:
 
 
 def _is_collective_error(exc: BaseException) -> bool:
-    """Whether `exc` says a collective failed or timed out (so a peer, not this rank, is at fault)."""
+    """Whether `exc`, or what it wraps, says a collective failed or timed out (so a peer, not this
+    rank, is at fault)."""
+    return any(_says_collective_failed(x) for x in _chain(exc))
+
+
+def _says_collective_failed(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
         return True
     text = str(exc)
@@ -343,7 +404,7 @@ def _watch(watch: _Watch, store: dist.Store, rank: int, stop: threading.Event) -
                 record = store.get(FAILURE_KEY).decode()
                 _acknowledge(store, rank)
                 _wait_for_failing_rank_to_exit(store)
-                _stop_process(_stopping_message(rank, watch.step, record))
+                _stop_process(_stopping_message(rank, watch.step, record), watch)
         except Exception:  # noqa: BLE001
             # The store is gone: a normal shutdown on rank 0, or the launcher exited. Either way
             # the collectives themselves now fail fast; nothing left to watch.
@@ -351,8 +412,9 @@ def _watch(watch: _Watch, store: dist.Store, rank: int, stop: threading.Event) -
         stop.wait(POLL_SECONDS)
 
 
-def _stop_process(message: str) -> None:
-    _log(message)
+def _stop_process(message: str, watch: _Watch | None = None) -> None:
+    if watch is None or watch.claim_stop_line():
+        _log(message)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -367,8 +429,32 @@ def _stop_process(message: str) -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    first_line = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first_line[:500]}"
+    """One line: the exception's type and first line, and, when it wraps another (torch's pipeline
+    raises "[Stage 1] failed to run forward:" from the stage's own error), the innermost cause's."""
+    line = f"{type(exc).__name__}: {_first_line(exc)[:300]}"
+    inner = _innermost(exc)
+    if inner is not exc:
+        line += f" (caused by {type(inner).__name__}: {_first_line(inner)[:300]})"
+    return line
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0].strip()
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from (or during), outermost first."""
+    found = [exc]
+    while True:
+        x = found[-1]
+        nxt = x.__cause__ if x.__cause__ is not None else (None if x.__suppress_context__ else x.__context__)
+        if nxt is None or any(nxt is y for y in found):
+            return found
+        found.append(nxt)
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    return _chain(exc)[-1]
 
 
 def _note(exc: BaseException, note: str) -> None:
