@@ -16,6 +16,8 @@ on the wire), parameter all-gather bytes per rank per step (counted by smp_colle
 default gather by the plan's formula, which the tests check against counted bytes) and their
 ratio to bf16, and the loss after the last step against `default`.
 Writes bench/results/param_gather_w{N}[_emulated{M}mbit].json.
+
+    python bench/bench_parameter_gather.py --throughput   # Q / D of the CPU path, break-even
 """
 
 from __future__ import annotations
@@ -47,8 +49,40 @@ SETTINGS = {
 }
 
 
+def throughput(cols: int = 2**21, n: int = 4, block: int = 256, repeats: int = 7) -> None:
+    """Q and D of the gather's CPU path (values/s, one thread, bf16 shards) and the break-even
+    link rate per rank they give (docs/gradient-sync.md); no process group needed."""
+    from smp_collectives import parameter_gather as PG
+
+    torch.set_num_threads(1)
+    x = torch.randn(cols).bfloat16()
+    for kind in ("int8", "fp8"):
+        message = torch.empty(n, PG.message_width(cols, block), dtype=torch.uint8)
+        for r in range(n):
+            PG.encode_shard(x, block, kind, message[r], impl="torch")
+        out = torch.empty(n * cols, dtype=torch.bfloat16)
+        rate = {}
+        for name, run, values in (
+            ("encode", lambda: PG.encode_shard(x, block, kind, message[0], impl="torch"), cols),
+            ("decode", lambda: PG.decode_message(message, cols, block, kind, out, impl="torch"), n * cols),
+        ):
+            run()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            rate[name] = values / statistics.median(times)
+        q, d = rate["encode"], rate["decode"]
+        for ranks in (2, 4, 8):
+            b = 0.98 * (ranks - 1) / ranks / (1 / (ranks * q) + 1 / d)
+            print(f"{kind} N={ranks}: Q {q / 1e6:.0f} M values/s, D {d / 1e6:.0f} M values/s -> "
+                  f"pays below {b * 8 / 1e9:.2f} Gbit/s per rank")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--throughput", action="store_true", help="only Q / D of the CPU path, no ranks")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps-per-round", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=512)
@@ -57,6 +91,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--only", nargs="*", default=None, help="settings to run (default: all)")
     args = parser.parse_args()
+    if args.throughput:
+        return throughput()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
