@@ -15,6 +15,8 @@ step, Python calls (`sys.setprofile` 'call' events) and aten ops (a TorchDispatc
   reshard_after_forward=True), goal <= 0.95.
 - `--checkpointing`: activation checkpointing none / full / selective through smp at world 1, eager
   and under `torch.compile` per block (`--backends`: aot_eager, inductor).
+- `--offloading`: activation offloading with checkpointing none and full (step time vs the same
+  checkpointing without it; bytes moved vs the bound).
 Writes bench/results/host.json.
 """
 
@@ -42,7 +44,7 @@ def build_llama(layers: int) -> torch.nn.Module:
     from smp.testing.models import tiny_llama
 
     torch.manual_seed(0)
-    return tiny_llama(num_hidden_layers=layers, max_position_embeddings=SEQ)
+    return tiny_llama(num_hidden_layers=layers, max_position_embeddings=SEQ, use_cache=False)
 
 
 class PythonCalls:
@@ -197,8 +199,46 @@ def checkpointing(layers: int, rounds: int, backends: list[str]) -> dict:
                 runners.append(Runner(mode, smp.transform(copy.deepcopy(base)), ids))
         interleave(runners, rounds)
         results[backend] = summary(runners, "none")
-        torch._dynamo.reset() if backend != "eager" else None
+        print(f"checkpointing ({backend}):", json.dumps({k: v["ratio_to_none"]["step"] for k, v in results[backend].items()}),
+              flush=True)
+        if backend != "eager":
+            torch._dynamo.reset()
     return results
+
+
+def offloading(layers: int, rounds: int, horizon: int = 2) -> dict:
+    """Offloading with checkpointing none and full through smp at world 1: step time against the
+    same checkpointing without it, and the bytes it moved against the bound (all that autograd
+    saved in the blocks, less the `horizon` largest blocks' share). On CPU the "host" copies are
+    plain tensors: the device peak it lowers is the GPU check's to measure (docs/gpu-check.md)."""
+    import smp
+    from smp.activations.offloading import offload_stats
+
+    _env(0, 1, 29737)
+    base = build_llama(layers)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    # Every saved tensor may move (min_bytes 0): the tiny proxy's tensors are all small.
+    offload = {"activation_offloading": True, "activation_loading_horizon": horizon, "activation_offload_min_bytes": 0}
+    settings = {"none": {}, "offload": offload, "full": {"activation_checkpointing": "full"},
+                "offload+full": {**offload, "activation_checkpointing": "full"}}
+    runners = []
+    for name, extra in settings.items():
+        with smp.session({**BF16, **extra}):
+            runners.append(Runner(name, smp.transform(copy.deepcopy(base)), ids))
+    interleave(runners, rounds)
+    out = summary(runners, "none")
+    for r in runners:
+        stats = offload_stats(r.model)
+        if stats is not None:
+            moved = sorted(stats.offloaded_bytes, reverse=True)
+            out[r.name]["saved_bytes"] = sum(stats.saved_bytes)
+            out[r.name]["moved_bytes"] = sum(moved)
+            out[r.name]["bound_bytes"] = sum(stats.saved_bytes) - sum(sorted(stats.saved_bytes, reverse=True)[:horizon])
+            out[r.name]["max_layers_resident"] = stats.max_layers_resident
+    out["offload"]["step_vs_same_checkpointing"] = round(out["offload"]["ms"]["step"] / out["none"]["ms"]["step"], 3)
+    out["offload+full"]["step_vs_same_checkpointing"] = round(
+        out["offload+full"]["ms"]["step"] / out["full"]["ms"]["step"], 3)
+    return out
 
 
 def main() -> None:
@@ -207,6 +247,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--world", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--offloading", action="store_true")
     parser.add_argument("--backends", nargs="*", default=["aot_eager"])
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
@@ -223,8 +264,10 @@ def main() -> None:
         print("world 2:", json.dumps({k: v["ratio_to_fsdp2_per_block"] for k, v in report["world2"].items()}))
     if args.checkpointing:
         report["checkpointing"] = checkpointing(args.layers, args.rounds, args.backends)
-        for backend, figures in report["checkpointing"].items():
-            print(f"checkpointing ({backend}):", json.dumps({k: v["ratio_to_none"]["step"] for k, v in figures.items()}))
+    if args.offloading:
+        report["offloading"] = offloading(args.layers, args.rounds)
+        print("offloading:", json.dumps({k: (v["ratio_to_none"]["step"], v.get("moved_bytes"), v.get("bound_bytes"))
+                                          for k, v in report["offloading"].items()}))
     merged = {**previous, **report}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(merged, indent=1) + "\n")

@@ -23,6 +23,7 @@ from smp.config import ConfigError, MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import AttentionProbe, install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
+from smp.fp8 import apply_fp8
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.pipeline import build_pipeline
 from smp.sharding import apply_fsdp, has_meta_tensors, materialize_meta_model
@@ -135,6 +136,10 @@ class Step:
     apply: Callable[[nn.Module, Run], None]
 
 
+def _fp8(model: nn.Module, run: Run) -> None:
+    apply_fp8(model, run.cfg.fp8.recipe)  # Linear -> torchao Float8Linear (smp/fp8.py)
+
+
 def _tensor_parallel(model: nn.Module, run: Run) -> None:
     tp = run.cfg.tensor_parallel
     apply_tensor_parallel(model, run.mesh["tp"], run.tp_plan, config_plan=tp.plan, sequence_parallel=tp.sequence_parallel,
@@ -234,6 +239,7 @@ def _always(dims: ParallelDims, cfg: SMPConfig) -> bool:
 # The recipe, in the order the techniques must compose (torchtitan's parallelize). Each step says
 # when it applies and what it does; `smp.transform` and `smp plan` run this one list.
 RECIPE = (
+    Step("fp8", lambda d, c: c.fp8 is not None, _fp8),  # before TP / FSDP wrap the Linear layers (torchtitan's order)
     Step("tensor_parallel", lambda d, c: d.tp > 1, _tensor_parallel),  # first: rewrites the layers the rest wraps
     Step("context_parallel", lambda d, c: d.cp > 1, _context_parallel),  # attention over the cp chunks; wraps nothing
     Step("expert_parallel", lambda d, c: d.ep > 1, _expert_parallel),  # experts split and sharded before blocks are wrapped

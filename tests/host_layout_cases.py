@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 from unittest import mock
 
 import torch
@@ -15,6 +16,35 @@ from smp.testing.distributed import full_tensor, local_rows
 from smp.testing.models import random_batch, tiny_llama
 
 BF16 = {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16))
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x * self.w) + x
+
+
+class Toy(torch.nn.Module):
+    """Its blocks receive float32 inputs (the embedding's output scaled by a float32 buffer): only
+    the per-block input cast FSDP's units do makes them compute in bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 16)
+        self.register_buffer("scale", torch.full((16,), 1.1))
+        self.layers = torch.nn.ModuleList([ToyBlock() for _ in range(4)])
+        self.head = torch.nn.Linear(16, 256)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids).float() * self.scale
+        for layer in self.layers:
+            x = layer(x)
+        loss = torch.nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), labels.flatten())
+        return types.SimpleNamespace(loss=loss)
 
 
 @contextlib.contextmanager
@@ -81,7 +111,7 @@ def _units(model) -> int:
 
 def layout_vs_per_block(config: dict, *, layers: int = 4, steps: int = 3, micro_batches: int = 1,
                         variant: str | None = None, compile_backend: str | None = None,
-                        min_unit_bytes: int | None = None) -> dict:
+                        min_unit_bytes: int | None = None, kind: str = "llama") -> dict:
     """The same model trained twice with AdamW under bf16 autocast: once in today's layout (one
     FSDP unit per block), once in the layout smp picks. Returns whether every loss, every
     gradient and every parameter after the steps is bitwise equal, and the layouts' unit counts."""
@@ -90,7 +120,7 @@ def layout_vs_per_block(config: dict, *, layers: int = 4, steps: int = 3, micro_
         cfg["compile"] = {"enabled": True, "backend": compile_backend}
     with smp.session(cfg):
         torch.manual_seed(0)
-        reference = tiny_llama(num_hidden_layers=layers)
+        reference = tiny_llama(num_hidden_layers=layers) if kind == "llama" else Toy()
         with per_block_units():
             base = smp.transform(copy.deepcopy(reference))
         patch = mock.patch.object(fsdp, "MIN_UNIT_BYTES", min_unit_bytes) if min_unit_bytes is not None \

@@ -44,6 +44,15 @@ def test_one_rank_broken_layouts_are_caught(ranks, variant, micro_batches):
     assert report["grad_diff"] > 1e-4, report
 
 
+def test_one_rank_block_input_casts(ranks):
+    """Blocks fed float32 (Toy): the cast layout casts each block's inputs as FSDP's units do;
+    without those casts (the negative control) the blocks compute in float32 and differ."""
+    (report,) = ranks(1).run(cases.layout_vs_per_block, config=BF16, kind="toy")
+    assert report["units"] == 0 and _bitwise(report), report
+    (broken,) = ranks(1).run(cases.layout_vs_per_block, config=BF16, kind="toy", variant="block_inputs_uncast")
+    assert not broken["grads_equal"] and broken["grad_diff"] > 1e-4, broken
+
+
 def test_one_rank_cast_layout_under_compile(ranks):
     (report,) = ranks(1).run(cases.layout_vs_per_block, config=BF16, steps=2, compile_backend="aot_eager")
     assert report["units"] == 0 and _bitwise(report), report

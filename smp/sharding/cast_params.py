@@ -47,12 +47,13 @@ class CastParameters:
         self.output_dtype = output_dtype
         self.cast_inputs = cast_forward_inputs and param_dtype is not None
         skipped = {id(p) for p in skip}
-        # (module, name) of every parameter slot to cast; parameters read from the slot at each
-        # forward, so that a later materialisation or load that replaces them is seen.
-        self.slots = [(m, n) for m in model.modules() for n, p in own_parameters(m).items()
+        # (a module's parameter dict, name) of every parameter slot to cast; parameters are read
+        # from the slot at each forward, so that a materialisation or load that replaces them is seen.
+        self.slots = [(own_parameters(m), n) for m in model.modules() for n, p in own_parameters(m).items()
                       if p is not None and id(p) not in skipped] if param_dtype is not None else []
         self.masters: list[torch.Tensor] | None = None  # the parameters while their casts sit in the slots
-        self.hooked: dict[int, weakref.ref] = {}  # id -> parameter that hands its slot back after backward
+        # Per slot, the parameter whose gradient hook hands the slot back (a weak reference).
+        self.hooked: list[weakref.ref | None] = [None] * len(self.slots)
         for unit in [model, *blocks]:
             unit.register_forward_pre_hook(self.cast_unit_inputs, with_kwargs=True)
             unit.register_forward_hook(self.cast_unit_output)
@@ -65,7 +66,8 @@ class CastParameters:
         if not self.cast_inputs:
             return args, kwargs
         cast = functools.partial(_cast, self.param_dtype)
-        return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
+        return (tuple(_cast_shallow(cast, a) for a in args),
+                {k: _cast_shallow(cast, v) for k, v in kwargs.items()})
 
     def cast_unit_output(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.output_dtype is None:
@@ -76,18 +78,14 @@ class CastParameters:
         self.restore()  # a forward whose backward never ran
         if not self.slots:
             return
-        masters = [own_parameters(m)[n] for m, n in self.slots]
-        grad = torch.is_grad_enabled()
-        for index, ((m, n), p) in enumerate(zip(self.slots, masters)):
-            if grad and p.requires_grad and not self._hooked(p):
+        masters = [params[n] for params, n in self.slots]
+        grad, hooked, dtype = torch.is_grad_enabled(), self.hooked, self.param_dtype
+        for index, ((params, n), p) in enumerate(zip(self.slots, masters)):
+            if grad and p.requires_grad and (hooked[index] is None or hooked[index]() is not p):
                 p.register_post_accumulate_grad_hook(functools.partial(self.restore_one, index))
-                self.hooked[id(p)] = weakref.ref(p)
-            own_parameters(m)[n] = p.to(self.param_dtype)
+                hooked[index] = weakref.ref(p)
+            params[n] = p.to(dtype)
         self.masters = masters
-
-    def _hooked(self, p: torch.Tensor) -> bool:
-        ref = self.hooked.get(id(p))
-        return ref is not None and ref() is p
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.masters is None:
@@ -105,12 +103,25 @@ class CastParameters:
     def restore_one(self, index: int, param: torch.Tensor) -> None:
         """Put `param` back in its slot once its gradient has landed: nothing after reads its cast."""
         if self.masters is not None and self.masters[index] is param:
-            m, n = self.slots[index]
-            own_parameters(m)[n] = param
+            params, n = self.slots[index]
+            params[n] = param
 
     def restore(self) -> None:
         if self.masters is None:
             return
-        for (m, n), p in zip(self.slots, self.masters):
-            own_parameters(m)[n] = p
+        for (params, n), p in zip(self.slots, self.masters):
+            params[n] = p
         self.masters = None
+
+
+def _cast_shallow(cast: Any, value: Any) -> Any:
+    """`apply_to_tensors(cast, value)` without its walk for the common cases (a block's hidden
+    states, masks, positions, RoPE's pair): a tensor is cast here, None and numbers pass, a plain
+    tuple is walked here; anything else goes to FSDP's walker."""
+    if isinstance(value, torch.Tensor):
+        return cast(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if type(value) is tuple:  # RoPE's (cos, sin)
+        return tuple(_cast_shallow(cast, v) for v in value)
+    return apply_to_tensors(cast, value)
