@@ -131,6 +131,14 @@ class ParameterGatherConfig(_Strict):
         return value
 
 
+class FP8Config(_Strict):
+    """FP8 training through torchao's float8 (smp/fp8.py): Linear matmuls in float8 with dynamic
+    scales; needs CUDA with compute capability >= 8.9 and torchao (refused at smp.init otherwise)."""
+
+    # tensorwise: one scale per tensor (fastest); rowwise: one per row (closer to bf16, slower).
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+
+
 class TensorParallelConfig(_Strict):
     # Norms (and dropout) between attention/MLP run on a 1/tp slice of the sequence: activations
     # there shrink by tp, for an all-gather + reduce-scatter in place of each all-reduce.
@@ -353,6 +361,7 @@ class SMPConfig(_Strict):
     compile: CompileConfig = CompileConfig()
     moe: MoEConfig = MoEConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    fp8: Union[FP8Config, None] = None  # absent: no float8 training
 
     # --- runtime ---
     backend: Literal["nccl", "gloo"] | None = None

@@ -1,0 +1,72 @@
+"""FP8 training through torchao's float8 (`fp8: {recipe: tensorwise | rowwise}`, docs/config.md).
+
+`apply_fp8(model, recipe)` swaps the model's `nn.Linear` layers for torchao's `Float8Linear`
+(matmuls in float8 with dynamic scales, weights and gradients kept in their dtype), before tensor
+parallel and FSDP wrap them, as torchtitan orders it. Left out: the output head (its logits feed
+the loss; fp8 there costs accuracy for little time) and layers whose widths are not multiples of
+16 (`torch._scaled_mm`'s requirement). FSDP gathers the weights in their own dtype (torchao's
+fp8 all-gather is not switched on).
+
+`check_fp8(recipe, device)` is called by `smp.init`: float8 matmuls need a CUDA device of
+compute capability >= 8.9 (Ada, Hopper and later) and torchao; anything else is refused there,
+naming the requirement, before the process group exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from smp.errors import ConfigError
+
+RECIPES = ("tensorwise", "rowwise")
+MIN_CAPABILITY = (8, 9)
+_HEAD_NAMES = ("lm_head", "output", "head", "score", "classifier")
+
+
+def check_fp8(recipe: str | None, device: torch.device) -> None:
+    """ConfigError unless this run can train in float8 (`recipe` None: fp8 is off)."""
+    if recipe is None:
+        return
+    if recipe not in RECIPES:
+        raise ConfigError(f"fp8.recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    need = f"a CUDA device of compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper or later)"
+    if device.type != "cuda":
+        raise ConfigError(f"fp8: {{recipe: {recipe}}} needs {need}; this run is on {device.type}: remove the fp8 section")
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        raise ConfigError(
+            f"fp8: {{recipe: {recipe}}} needs {need}; {torch.cuda.get_device_name(device)} has "
+            f"{capability[0]}.{capability[1]}: remove the fp8 section (bf16 mixed precision instead)"
+        )
+    _float8_api()
+
+
+def _float8_api() -> Any:
+    try:
+        from torchao import float8
+    except ImportError as e:
+        raise ConfigError(f"fp8 training needs torchao (pip install torchao): {e}") from None
+    return float8
+
+
+def fp8_layer(name: str, module: nn.Module) -> bool:
+    """Whether `name` is converted: an nn.Linear, not the output head, widths multiples of 16."""
+    if type(module) is not nn.Linear:
+        return False
+    if name.rpartition(".")[2] in _HEAD_NAMES:
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_fp8(model: nn.Module, recipe: str) -> list[str]:
+    """Swap the model's Linear layers for torchao's Float8Linear (`recipe`'s scaling); returns
+    the converted layers' names. Works on the meta device (the swap keeps the parameters)."""
+    float8 = _float8_api()
+    names = [name for name, module in model.named_modules() if fp8_layer(name, module)]
+    if names:
+        config = float8.Float8LinearConfig.from_recipe_name(recipe)
+        float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in names)
+    return names
