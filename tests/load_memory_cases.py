@@ -91,3 +91,33 @@ def load_ratio(config: dict, root: str, mapped: bool) -> dict:
         if dist.get_rank() == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return {"ratio": peak / bound, "peak_mib": peak / 2**20, "bound_mib": bound / 2**20}
+
+
+def export_in_pieces(config: dict, root: str, piece_bytes: int) -> dict:
+    """export_hf with each rank's intermediate files cut at `piece_bytes` of the model (many
+    pieces per output file, and output files smaller than a piece): {"differ": names not bitwise
+    equal to the model after from_pretrained of the export, "files": the output files}."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from smp.checkpointing import hf
+    from smp.testing.distributed import full_tensor
+
+    config_small = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    out = os.path.join(root, "hf")
+    original = hf.PIECE_BYTES
+    hf.PIECE_BYTES = piece_bytes
+    try:
+        with smp.session(config):
+            torch.manual_seed(0)
+            model = smp.transform(LlamaForCausalLM(config_small))
+            smp.checkpointing.export_hf(out, model, max_shard_bytes=60_000)
+            mine = {n: full_tensor(p.detach()) for n, p in model.state_dict().items()}
+            back = LlamaForCausalLM.from_pretrained(out).state_dict()
+            return {"differ": sorted(n for n in mine if not torch.equal(mine[n], back[n])),
+                    "files": sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))}
+    finally:
+        hf.PIECE_BYTES = original
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)

@@ -23,3 +23,12 @@ def test_mapped_reads_exceed_the_bound(ranks, tmp_path):
     for r in ranks(2).run(cases.load_ratio, config={"tensor_parallel_degree": 2}, root=str(tmp_path),
                           mapped=True, timeout=240):
         assert r["ratio"] > LOOSE, r
+
+
+@pytest.mark.parametrize("piece_bytes", [4096, 1 << 30], ids=["pieces", "one_piece"])
+def test_export_in_pieces_is_bitwise(ranks, tmp_path, piece_bytes):
+    """export_hf writes each rank's shards in files of a bounded part of the model (what bounds its
+    memory), consolidated into the requested files: from_pretrained of the folder is bitwise the
+    model, with pieces finer and coarser than the output files."""
+    for r in ranks(2).run(cases.export_in_pieces, config={}, root=str(tmp_path), piece_bytes=piece_bytes):
+        assert r["differ"] == [] and len(r["files"]) > 1, r

@@ -20,6 +20,7 @@ tensors stacked, a fused qkv chunked) are read whole, one converter's sources at
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -51,6 +52,28 @@ from smp.sharding.delayed_init import _user_class, has_meta_tensors
 
 # transformers' own default shard size for save_pretrained; smaller means more, smaller files.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+# The most bytes of the whole model each rank's intermediate export file covers: DCP's writer
+# builds each file in memory (twice: safetensors' `save` copies every tensor, then the file),
+# so this bounds what an export holds beside the model. Smaller means more files to consolidate.
+PIECE_BYTES = 64 << 20
+
+
+class _PieceWriter(HuggingFaceStorageWriter):
+    """DCP's HF writer (every rank writes its shards, rank 0 consolidates them into the files of
+    `fqn_to_index_mapping`), with each rank's shards written as files of `piece_mapping` (at most
+    PIECE_BYTES of the whole model each, one tensor alone if larger) instead of one file per
+    output file: its in-memory build of each file is bounded, not the rank's whole share."""
+
+    def __init__(self, path: str, fqn_to_index_mapping: dict[str, int], piece_mapping: dict[str, int]) -> None:
+        super().__init__(path, fqn_to_index_mapping=fqn_to_index_mapping, save_distributed=True,
+                         enable_consolidation=True)
+        self.piece_mapping = piece_mapping
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return [dataclasses.replace(plan, storage_data={**plan.storage_data, "fqn_to_index_mapping": self.piece_mapping})
+                for plan in super().prepare_global_plan(plans)]
 
 
 def _file_index(sizes: list[tuple[str, int]], max_shard_bytes: int) -> dict[str, int]:
@@ -113,10 +136,7 @@ def export_hf(
     meta = metadata.build(shapes, False, "hf", dims)
     tmp = _agree_on_tmp(out_dir, "hf")
     try:
-        writer = HuggingFaceStorageWriter(
-            tmp, fqn_to_index_mapping=_file_index(sizes, max_shard_bytes),
-            save_distributed=True, enable_consolidation=True,
-        )
+        writer = _PieceWriter(tmp, _file_index(sizes, max_shard_bytes), _file_index(sizes, PIECE_BYTES))
         dcp.save(state, storage_writer=writer, no_dist=not _dist())
 
         def finish() -> None:
