@@ -153,12 +153,13 @@ def mode_advice(mode: str, compiled: bool) -> str | None:
                 f"speed, and selective under compile: true")
     if mode == "full" and compiled:
         return ("activation_checkpointing full under compile: selective keeps the matmul outputs and, "
-                f"compiled, costs no host time ({SELECTIVE_COMPILED_NOTE}): pick it when its memory fits")
+                f"compiled, loses torch's Python dispatch modes ({SELECTIVE_COMPILED_NOTE}): pick it when its "
+                "memory fits")
     return None
 
 
 # Measured on the CPU proxy of the GPU check's host-bound step (bench/bench_host.py --checkpointing:
-# tiny-width 16-layer Llama, bf16 params, smp at world 1, thread-CPU medians), and on an H200
-# (1.2B Llama, eager, smp's previous per-block FSDP units): the step relative to no checkpointing.
-SELECTIVE_EAGER_NOTE = "step vs none: selective 2.08x, full 1.59x on an H200; see BENCHMARKS.md, host section"
-SELECTIVE_COMPILED_NOTE = "see BENCHMARKS.md, host section"
+# tiny-width 16-layer Llama, bf16 params, smp at world 1, thread-CPU medians): the step relative
+# to no checkpointing, eager and with the blocks compiled (aot_eager).
+SELECTIVE_EAGER_NOTE = "host-bound proxy, step vs none: selective 1.57x, full 1.19x; BENCHMARKS.md, host section"
+SELECTIVE_COMPILED_NOTE = "host-bound proxy, compiled, step vs none: selective 1.17x, full 1.24x"
