@@ -56,7 +56,7 @@ def test_pp2_x_tp2_x_fsdp2_matches_one_process(ranks):
     reports = ranks(8).run(cases.compose, config=config, layers=2, steps=1)
     for report in reports:  # one step: the loss and every gradient
         assert report["loss_diff"] < LOSS_TOL and report["grad_diff"] < GRAD_TOL, report
-        assert {"tp", "dp_shard"} <= set(report["sharded_over"]), report
+        assert {"tp", "dp_shard_cp"} <= set(report["sharded_over"]), report  # FSDP's view: dp_shard x cp (cp 1)
 
 
 @pytest.mark.parametrize("key", ["sequence_parallel", "loss_parallel"])

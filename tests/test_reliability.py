@@ -321,10 +321,10 @@ def test_config_timeout_reaches_every_mesh_group(ranks):
     so a dim that reuses it keeps the pool's value."""
     config = {"hybrid_shard_degree": 2, "collective_timeout_seconds": 17}
     for per_rank in ranks(4).run(reliability_cases.mesh_group_timeouts, config=config):
-        assert set(per_rank) == {"dp_replicate", "dp_shard", "tp", "dp"}
+        assert set(per_rank) == {"pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp", "dp"}  # every axis, always
         for name, (seconds, is_default) in per_rank.items():
             assert seconds == (90.0 if is_default else 17.0), (name, seconds, is_default)
-        assert not per_rank["dp_shard"][1] and not per_rank["dp_replicate"][1]  # real sub-groups
+        assert not per_rank["dp_shard_mod_ep"][1] and not per_rank["dp_replicate"][1]  # real sub-groups
 
 
 # ----------------------------------------------------------------------------------------------
