@@ -76,6 +76,14 @@ FEATURES = {f.name: f for f in (
     Feature("reshard", "config",
             lambda c, d: "reshard_after_forward" in c.model_fields_set and c.reshard_after_forward is not False,
             lambda c, d: f"reshard_after_forward={c.reshard_after_forward!r}", {"reshard_after_forward": True}),
+    Feature("param_gather", "config", lambda c, d: c.parameter_gather.algorithm != "default",
+            lambda c, d: f"parameter_gather.algorithm {c.parameter_gather.algorithm!r}",
+            {"parameter_gather": {"algorithm": "int8"}}),
+    Feature("hierarchical_gather", "config", lambda c, d: c.parameter_gather.hierarchical is not False,
+            lambda c, d: f"parameter_gather.hierarchical: {c.parameter_gather.hierarchical!r}",
+            {"parameter_gather": {"hierarchical": 2}}),
+    Feature("ring_sync", "config", lambda c, d: c.gradient_sync.algorithm == "ring",
+            lambda c, d: "gradient_sync.algorithm 'ring'", {"gradient_sync": {"algorithm": "ring"}}),
     Feature("dp", "world", lambda c, d: d is not None and d.dp > 1,
             lambda c, d: f"{d.dp} data-parallel ranks per stage", {}),
     Feature("trainer", "run", lambda c, d: False, lambda c, d: "SMPTrainer", {}),
@@ -140,6 +148,22 @@ REFUSED = (
             "3e-2 at PP 2 x FSDP 2)", "leave reshard_after_forward unset (false under pipeline parallelism) or "
             "pick gpipe / 1f1b / interleaved_1f1b / looped_bfs",
             "tests/test_pipeline_compose.py::test_split_backward_with_resharding_is_caught_and_refused"),
+    Refusal(("param_gather", "ring_sync"), "the ring algorithm replaces FSDP's parameter all-gather too, which "
+            "parameter_gather replaces", "use gradient_sync int8 / fp8 / default beside parameter_gather",
+            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+    Refusal(("hierarchical_gather", "ring_sync"), "the ring algorithm replaces FSDP's parameter all-gather too, "
+            "which parameter_gather replaces", "use gradient_sync int8 / fp8 / default beside parameter_gather",
+            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+    Refusal(("hierarchical_gather", "tp"), "FSDP2 cannot reshard tensor-parallel (DTensor) parameters to the "
+            "node's ranks after forward", "set hierarchical: false (algorithm int8 / fp8 still applies)",
+            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+    Refusal(("hierarchical_gather", "reshard"), "parameter_gather.hierarchical sets the blocks' "
+            "reshard_after_forward to the ranks per node", "remove reshard_after_forward, or set hierarchical: false",
+            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+    Refusal(("hierarchical_gather", "pp"), "each pipeline stage stays gathered from its first forward to its "
+            "last backward (reshard_after_forward false): there is no backward gather to keep inside the node",
+            "set hierarchical: false (algorithm int8 / fp8 applies to each stage's gather)",
+            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
     Refusal(("trainer", "pp"), "the Trainer runs the whole model's forward on every rank (compute_loss, "
             "prediction_step), while a pipelined model holds one stage per rank and trains only through "
             "smp.pipeline.step(model, input_ids, labels)", "set pipeline_parallel_degree: 1 (FSDP / tensor "
@@ -174,6 +198,7 @@ PROVEN = {
     ("pp", "compile"): "tests/test_pipeline.py::test_offloading_and_compile_inside_stages",
     ("pp", "offloading"): "tests/test_pipeline.py::test_offloading_and_compile_inside_stages",
     ("trainer", "tp", "dp"): "tests/test_trainer.py::test_tp_2_fsdp_2",
+    ("hierarchical_gather", "dp"): "tests/test_parameter_gather.py::test_hierarchical_default_equals_flat_bitwise",
 }
 
 
