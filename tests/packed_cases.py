@@ -229,3 +229,50 @@ def shard_error(config: dict, padded: bool = True, jump: bool = False) -> str:
         except smp.Error as e:
             return f"{type(e).__name__}: {e}"
         return ""
+
+
+def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = False) -> dict:
+    """smp.step (the one training step for every layout, pipeline included) on the packed batch
+    vs one process: loss and every gradient over `steps` SGD steps. `use_cache` None: the batch
+    does not say (the model's config then builds a cache in train mode)."""
+    with smp.session(config):
+        torch.manual_seed(smp.state.config.random_seed)
+        reference = _build("llama")
+        model = copy.deepcopy(reference)
+        batch = packed_batch()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        ref_losses, ref_grads = [], []
+        for _ in range(steps):
+            loss = hf_loss(reference, batch)
+            loss.backward()
+            ref_losses.append(float(loss.detach()))
+            ref_grads.append(_grads(reference))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        model = smp.transform(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rows = {name: local_rows(t) for name, t in batch.items()}
+        if use_cache is not None:
+            rows["use_cache"] = use_cache
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses}
+        for step in range(steps):
+            loss = smp.step(model, rows)
+            report["loss_diff"] = max(report["loss_diff"], abs(float(loss) - ref_losses[step]))
+            grads = {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+            report["grad_diff"] = max(report["grad_diff"], max(
+                float((g - ref_grads[step][n]).abs().max()) for n, g in grads.items()))
+            report["grads"] = len(grads)
+            opt.step()
+            opt.zero_grad()
+        return report
+
+
+def step_error(config: dict) -> str:
+    """The error smp.step raises for the packed batch ('' if none)."""
+    with smp.session(config):
+        model = smp.transform(_build("llama"))
+        try:
+            smp.step(model, {name: local_rows(t) for name, t in packed_batch().items()})
+        except smp.Error as e:
+            return f"{type(e).__name__}: {e}"
+        return ""

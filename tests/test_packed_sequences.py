@@ -126,3 +126,21 @@ def test_mask_ignoring_boundaries_is_caught(ranks, layout):
 def test_packed_with_padding_is_refused_on_every_rank(ranks, padded, jump, expected):
     for message in ranks(2).run(packed_cases.shard_error, config=CP2, padded=padded, jump=jump):
         assert message.startswith("UsageError") and expected in message, message
+
+
+# --- Through smp.step, the one training step for every layout ---------------------------------
+
+
+@pytest.mark.parametrize("config,use_cache", [
+    ({}, False),  # FSDP 2: transformers' own packed masks need use_cache=False in the batch
+    (CP2, None), ({**CP2, "context_parallel": {"algorithm": "ulysses"}}, None),  # smp's attention reads the documents itself
+], ids=["fsdp2", "cp2-ring", "cp2-ulysses"])
+def test_packed_through_smp_step(ranks, config, use_cache):
+    _check(ranks(2).run(packed_cases.step_equivalence, config=config, use_cache=use_cache, timeout=300))
+
+
+def test_packed_pipeline_is_refused_by_smp_step(ranks):
+    """The pipeline numbers each stage's tokens from 0: packed positions are refused, not ignored."""
+    config = {"pipeline_parallel_degree": 2, "pipeline": {"microbatches": 2}}
+    for message in ranks(2).run(packed_cases.step_error, config=config):
+        assert message.startswith("UsageError") and "packed sequences" in message, message
