@@ -3,11 +3,13 @@
 A tiny transformers Llama, fp32: smp.transform (full-shard, and a hybrid config that is
 degenerate at world 1) against the same model untransformed; activation checkpointing and
 offloading against none; sharded save / load / resume; bf16 Hugging Face export; delayed
-(meta) initialisation against eager. Each check runs in its own `smp.session`.
+(meta) initialisation against eager; bf16 params at world 1 (smp's own casts) against per-block
+FSDP units, bitwise. Each check runs in its own `smp.session`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -144,6 +146,41 @@ def delayed_init(device: torch.device, backend: str) -> list[Figure]:
     return [check("delayed init: param diff vs eager", max(diffs), bitwise, "0 (bitwise)")]
 
 
+def cast_layout(device: torch.device, backend: str) -> list[Figure]:
+    """bf16 params + fp32 reduce at world 1: smp's layout (no FSDP units, its own casts) vs one
+    FSDP unit per block, 3 AdamW steps under bf16 autocast: losses, gradients and parameters
+    bitwise (docs/sharding.md, unit layout)."""
+    from unittest import mock
+
+    from smp.sharding import fsdp
+
+    config = {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
+    runs = {}
+    for layout in ("cast", "blocks"):
+        with smp.session(config, backend=backend):
+            patch = mock.patch.object(fsdp, "unit_layout", lambda *a, **k: "blocks") if layout == "blocks" else None
+            with patch or contextlib.nullcontext():
+                model = smp.transform(_llama(0).to(device))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses, grads = [], []
+            for step in range(3):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = loss_of(model, _batch(step, device))
+                loss.backward()
+                losses.append(float(loss.detach()))
+                grads.append([full_tensor(p.grad).detach().clone() for p in model.parameters()])
+                opt.step()
+                opt.zero_grad()
+            runs[layout] = (losses, grads, [full_tensor(p.detach()).clone() for p in model.parameters()],
+                            fsdp.describe_layout(model))
+    (losses, grads, params, note), (base_losses, base_grads, base_params, _) = runs["cast"], runs["blocks"]
+    grad_diff = max(float((a - b).abs().max()) for g, h in zip(grads, base_grads) for a, b in zip(g, h))
+    equal = losses == base_losses and all(torch.equal(a, b) for g, h in zip(grads, base_grads) for a, b in zip(g, h)) \
+        and all(torch.equal(a, b) for a, b in zip(params, base_params))
+    return [check("cast layout (bf16, world 1) vs per-block FSDP units: loss, grads, params", grad_diff, equal,
+                  "0 (bitwise)", reason=note.split(":")[1].split("(")[0].strip() if ":" in note else note)]
+
+
 def run(device: torch.device, backend: str, work_dir: str) -> StepResult:
     result = StepResult(NAME, TITLE, notes=[
         f"device {device}, backend {backend}, world size 1",
@@ -157,6 +194,7 @@ def run(device: torch.device, backend: str, work_dir: str) -> StepResult:
         "resume": lambda: exact_resume(device, backend, os.path.join(work_dir, "checkpoints")),
         "hf export": lambda: hf_export(device, backend, os.path.join(work_dir, "hf_export")),
         "delayed init": lambda: delayed_init(device, backend),
+        "cast layout": lambda: cast_layout(device, backend),
     }
     for name, run_check in checks.items():
         try:
