@@ -115,9 +115,9 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
         if owner is not None and owner != run_id:
             raise FileExistsError(
                 f"{path!r} is a checkpoint of another run ({run.short(owner)}); this is run {run.short(run_id)}. A "
-                f"save never replaces another run's checkpoint: save under another name or root. If this is "
-                f"that run restarted, set {run.RUN_ID_ENV} to its id (torchrun keeps one id across "
-                f"--max-restarts; a new launch is a new run)"
+                f"save never replaces another run's checkpoint: save under another name or root. If this is run "
+                f"{run.short(owner)} restarted, set {run.RUN_ID_ENV}={run.short(owner)} (torchrun keeps one id "
+                f"across --max-restarts; a new launch is a new run)"
             )
     tmp = partial_dir(path)
     if os.path.lexists(tmp):
@@ -140,7 +140,7 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
                 f"{tmp!r} is a save of {path!r} by another run ({run.short(owner)}), still being written or "
                 f"left by a killed save; this is run {run.short(run_id)}, and a save never deletes another run's "
                 f"files. Save under another name or root; if no run is writing it any more, delete it. If this "
-                f"is that run restarted, set {run.RUN_ID_ENV} to its id"
+                f"is run {run.short(owner)} restarted, set {run.RUN_ID_ENV}={run.short(owner)}"
             )
         shutil.rmtree(tmp)  # this run's crashed save's leftover (or an empty folder)
     os.makedirs(tmp)
@@ -360,7 +360,7 @@ def _warn_others(others: list[tuple[str, str | None]], wanted: str, chosen: str 
     newest_path, newest_owner = others[0]
     log.warning(
         "smp.checkpointing.latest: %s of run %s; checkpoints of other runs are ignored (newest: %r of run %s). "
-        "Pass run=%s or run='any' to resume another run's, or set %s to continue it",
+        "Pass run=%r or run='any' to resume another run's, or set %s to continue it",
         f"returning {chosen!r}" if chosen else "no checkpoint", run.short(wanted), newest_path,
         run.short(newest_owner), run.short(newest_owner), run.RUN_ID_ENV)
 

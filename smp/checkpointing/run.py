@@ -56,8 +56,8 @@ class RunId:
 
 def short(run_id: object) -> str:
     """A run id quoted for a message: whole when short, else its start and its length."""
-    text = repr(run_id)
-    return text if len(text) <= _QUOTED_CHARS + 20 else f"{text[:_QUOTED_CHARS]}... ({len(str(run_id))} characters)"
+    text = str(run_id)
+    return text if len(text) <= _QUOTED_CHARS + 20 else f"{text[:_QUOTED_CHARS]}... ({len(text)} characters)"
 
 
 _RUN = Slot("checkpoint run id")
@@ -111,7 +111,7 @@ def _differ(ids: list[str | None]) -> str:
     first_rank: dict[str | None, int] = {}
     for rank, run_id in enumerate(ids):
         first_rank.setdefault(run_id, rank)
-    shown = ", ".join(f"rank {rank}: {'none' if run_id is None else short(run_id)}"
+    shown = ", ".join(f"rank {rank}: {'none' if run_id is None else repr(short(run_id))}"
                       for run_id, rank in list(first_rank.items())[:3])
     more = f" and {len(first_rank) - 3} more" if len(first_rank) > 3 else ""
     return (f"the ranks name different runs ({RUN_ID_ENV}, else {TORCHRUN_RUN_ID_ENV}): {shown}{more}; every "
