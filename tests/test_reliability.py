@@ -685,3 +685,14 @@ def test_an_error_before_the_first_step_guard_is_an_error_not_a_death(tmp_path):
         assert any(record in line for line in _smp_lines(outputs[r])), _explain(codes, outputs)
         assert "did not answer" not in outputs[r] and "not in a collective" not in outputs[r], outputs[r]
     assert elapsed < DEADLINE
+
+
+def test_the_uncaught_error_report_lives_with_the_session():
+    """smp.init installs the report of errors outside every step_guard as sys.excepthook;
+    smp.shutdown puts the previous hook back (importing smp changes nothing)."""
+    from smp.reliability.guard import _UncaughtErrors
+
+    with smp.session({"backend": "gloo"}):
+        hook = sys.excepthook
+        assert isinstance(hook, _UncaughtErrors)
+    assert sys.excepthook is hook.previous  # (init_process_group installs torch's own before it)
