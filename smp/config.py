@@ -399,25 +399,14 @@ class SMPConfig(_Strict):
         return {"algorithm": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _parameter_gather_composes(self) -> "SMPConfig":
-        gather = self.parameter_gather
-        if gather.algorithm == "default" and gather.hierarchical is False:
-            return self
-        if self.gradient_sync.algorithm == "ring":
+    def _hierarchical_gather_reshards(self) -> "SMPConfig":
+        # What parameter_gather composes with is in smp/composition.py's table; this one value
+        # (reshard_after_forward: false, no feature there) is refused here.
+        if self.parameter_gather.hierarchical is not False and self.reshard_after_forward is False:
             raise ValueError(
-                "gradient_sync.algorithm 'ring' replaces FSDP's parameter all-gather too, which parameter_gather "
-                "also replaces; use gradient_sync int8 / fp8 / default beside parameter_gather"
-            )
-        if gather.hierarchical is not False and self.tensor_parallel_degree > 1:
-            raise ValueError(
-                f"parameter_gather.hierarchical with tensor_parallel_degree={self.tensor_parallel_degree} is not "
-                f"supported: FSDP2 cannot reshard tensor-parallel (DTensor) parameters to the node's ranks after "
-                f"forward; set hierarchical: false (algorithm int8 / fp8 still applies)"
-            )
-        if gather.hierarchical is not False and "reshard_after_forward" in self.model_fields_set:
-            raise ValueError(
-                f"parameter_gather.hierarchical sets the blocks' reshard_after_forward to the ranks per node; "
-                f"remove reshard_after_forward: {self.reshard_after_forward!r}, or set hierarchical: false"
+                "parameter_gather.hierarchical keeps each block's parameters sharded inside the node after forward, "
+                "but reshard_after_forward: false keeps them whole (no backward gather to keep in the node); "
+                "remove reshard_after_forward, or set hierarchical: false"
             )
         return self
 

@@ -91,3 +91,13 @@ def test_one_rank_cast_layout_resumes_bitwise(ranks, tmp_path):
 
     (r,) = ranks(1).run(checkpoint_cases.exact_resume, config=BF16, root=str(tmp_path), steps=3, save_at=1)
     assert r["resumed"] == r["losses"][1:] and r["param_diff"] == 0.0, r
+
+
+def test_tensor_parallel_over_a_one_rank_shard_group(ranks):
+    """TP 2 at world 2 with bf16 params: the shard group has one rank but the parameters are
+    DTensors (FSDP sums their pending-sum gradients in bf16), so FSDP stays, its blocks merged;
+    bitwise the per-block units' run."""
+    config = {**BF16, "tensor_parallel_degree": 2}
+    for report in ranks(2).run(cases.layout_vs_per_block, config=config, steps=2):
+        assert report["units"] == 5 and "merged" in report["layout"], report
+        assert _bitwise(report), report
