@@ -35,10 +35,11 @@ def fsdp_needed(
     shard_ranks: int, *, param_dtype: torch.dtype | None, output_dtype: torch.dtype | None,
     cpu_offload: bool, custom_sync: bool,
 ) -> bool:
-    """Whether FSDP has work to do. Over one rank (tensor parallel taking the whole world) it
-    shards nothing and reduces nothing (so its reduce dtype means nothing), and only adds copies
-    to each step: smp skips it, as torchtitan does, unless one of FSDP's other jobs is asked for:
-    casting parameters or outputs (mixed precision), CPU offload, or smp's own gradient-sync
+    """Whether `apply_fsdp` has work to do. Over one rank (tensor parallel taking the whole world)
+    FSDP shards nothing and reduces nothing (so its reduce dtype means nothing), and only adds
+    copies to each step: smp skips it, as torchtitan does, unless one of FSDP's other jobs is
+    asked for: casting parameters or outputs (mixed precision: `apply_fsdp` then casts without
+    FSDP units where that is exact, `unit_layout`), CPU offload, or smp's own gradient-sync
     collectives (installed on FSDP units)."""
     if shard_ranks > 1:
         return True
@@ -208,3 +209,10 @@ def _merged_note(groups: list[list[int]], blocks: int, min_bytes: int) -> str:
     sizes = ", ".join(str(len(g)) for g in groups[:8]) + (" ..." if len(groups) > 8 else "")
     return (f"unit layout: {len(groups)} FSDP units over {blocks} blocks + the root (consecutive blocks merged "
             f"into units of at least {min_bytes / 2**20:.0f} MiB, MIN_UNIT_BYTES: {sizes} blocks a unit)")
+
+
+def cast_transient_bytes(model: nn.Module, param_bytes: int) -> int:
+    """The cast layout's transient: every parameter's cast copy, alive from the forward that
+    makes it until its gradient lands (FSDP's units over one rank kept as much: each unit stays
+    gathered from forward to its backward)."""
+    return sum(dtensor_local(p).numel() for p in model.parameters()) * param_bytes
