@@ -235,10 +235,14 @@ def test_config_errors_name_the_key(gather, match):
 
 @pytest.mark.parametrize("config,match", [
     ({"parameter_gather": "int8", "gradient_sync": "ring"}, "ring"),
+    ({"parameter_gather": {"hierarchical": 2}, "gradient_sync": "ring"}, "ring"),
     ({"parameter_gather": {"hierarchical": 2}, "reshard_after_forward": 2}, "reshard_after_forward"),
+    ({"parameter_gather": {"hierarchical": 2}, "reshard_after_forward": False}, "reshard_after_forward: false"),
     ({"parameter_gather": {"hierarchical": 2}, "tensor_parallel_degree": 2}, "DTensor"),
+    ({"parameter_gather": {"hierarchical": 2}, "pipeline_parallel_degree": 2}, "no backward gather"),
 ])
 def test_conflicting_settings_refused(config, match):
+    """smp/composition.py's rows (and the config's one value check) refuse these, naming the fix."""
     with pytest.raises(smp.ConfigError, match=match):
         smp.load_config(config)
 
