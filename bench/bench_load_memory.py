@@ -1,7 +1,8 @@
 """Host memory of loading, saving and exporting a model, per rank, as the kernel counts it.
 
     python bench/bench_load_memory.py [--layers 24 --hidden 1024 --vocab 32000] [--quick]
-                                      [--label after] [--only fsdp,tp,pp,ep,eager,peer]
+                                      [--label after] [--only fsdp,tp,pp,ep,eager,transformers]
+                                      [--files fp32-one,fp32-multi,bf16-one,bf16-multi,moe]
 
 Peak resident memory (VmHWM, which RSS-based out-of-memory killers count: private memory and
 the file pages a memory-mapped read touched) per rank, above the rank's resident memory just
@@ -213,6 +214,8 @@ def cases(folders: dict[str, str], a, root: str) -> list[dict]:
             out.append({"peer": "transformers", "layout": layout, "files": name, "folder": folders[name]})
     if only:
         out = [c for c in out if c["layout"] in only or c["peer"] in only]
+    if a.files:
+        out = [c for c in out if c["files"] in a.files.split(",")]
     return out
 
 
@@ -239,6 +242,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--quick", action="store_true", help="one folder per layout (a smoke run)")
     p.add_argument("--only", default="", help="comma-separated layouts or peers to run")
+    p.add_argument("--files", default="", help="comma-separated folders to run (fp32-one, ..., moe)")
     p.add_argument("--label", default="", help="results file suffix (before / after)")
     p.add_argument("--root", default="", help="reuse the folders written there")
     a = p.parse_args()
