@@ -34,7 +34,9 @@ def check_fp8(recipe: str | None, device: torch.device) -> None:
         raise ConfigError(f"fp8.recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
     need = f"a CUDA device of compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper or later)"
     if device.type != "cuda":
-        raise ConfigError(f"fp8: {{recipe: {recipe}}} needs {need}; this run is on {device.type}: remove the fp8 section")
+        raise ConfigError(
+            f"fp8: {{recipe: {recipe}}} needs {need}; this run is on {device.type}: remove the fp8 section"
+        )
     capability = torch.cuda.get_device_capability(device)
     if tuple(capability) < MIN_CAPABILITY:
         raise ConfigError(

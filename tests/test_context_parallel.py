@@ -28,7 +28,8 @@ CP2 = {"context_parallel_degree": 2}
 CP2_UNBALANCED = {"context_parallel_degree": 2, "context_parallel": {"load_balance": False}}
 CP2_ALLGATHER = {"context_parallel_degree": 2, "context_parallel": {"algorithm": "allgather"}}
 CP2_ULYSSES = {"context_parallel_degree": 2, "context_parallel": {"algorithm": "ulysses"}}
-CP2_ULYSSES_UNBALANCED = {"context_parallel_degree": 2, "context_parallel": {"algorithm": "ulysses", "load_balance": False}}
+CP2_ULYSSES_UNBALANCED = {"context_parallel_degree": 2,
+                          "context_parallel": {"algorithm": "ulysses", "load_balance": False}}
 
 
 def _check(reports: list[dict], cp_size: int = 2) -> None:
@@ -118,7 +119,8 @@ def test_ulysses_refuses_heads_that_do_not_split(ranks, world, config, expected)
 
 def test_ulysses_wrong_head_order_is_caught(ranks):
     """Negative control: the output's head groups put back in reverse rank order."""
-    reports = ranks(2).run(context_parallel_cases.equivalence, config=CP2_ULYSSES, kind="llama", corrupt="wrong_head_order")
+    reports = ranks(2).run(context_parallel_cases.equivalence, config=CP2_ULYSSES, kind="llama",
+                           corrupt="wrong_head_order")
     assert max(max(r["loss_diff"], r["grad_diff"]) for r in reports) > 1e-3
 
 

@@ -36,8 +36,9 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                 q_docs: torch.Tensor, group: dist.ProcessGroup, segments: list[Segments], causal: bool,
                 window: int | None, scale: float) -> torch.Tensor:
-        """q (B, Hkv, G, Lq, D), k/v (B, Hkv, Lk, D) float32, keep (B, Lk) bool; `segments[i]`:
-        the global runs rank i of `group` holds. Returns the output (B, Hkv, G, Lq, D)."""
+        """q (B, Hkv, G, Lq, D), k/v (B, Hkv, Lk, D) float32; keep (B, Lk) / q_docs (B, Lq) the
+        keys' / queries' document keys (blocks.py, NaN: padding); `segments[i]`: the global runs
+        rank i of `group` holds. Returns the output (B, Hkv, G, Lq, D)."""
         size, rank = len(segments), dist.get_rank(group)
         send_to = dist.get_global_rank(group, (rank + 1) % size)
         recv_from = dist.get_global_rank(group, (rank - 1) % size)
