@@ -219,3 +219,31 @@ def test_export_hf_into_a_folder_with_other_files(tmp_path):
     reference = build_model()
     for (name, a), (_, b) in zip(loaded.state_dict().items(), reference.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_the_session_undoes_what_it_changed():
+    """smp.init routes Accelerator.prepare through smp and adapts the accelerator; smp.shutdown
+    puts back accelerate's method and removes every instance attribute and hook (a subprocess:
+    accelerate's state is a process-wide singleton)."""
+    code = """
+import torch, accelerate, smp
+from accelerate import Accelerator
+from smp.integrations.accelerate import _OVERRIDES
+original = Accelerator.__dict__["prepare"]
+accelerator = Accelerator(cpu=True)
+with smp.session({}):
+    assert Accelerator.__dict__["prepare"] is not original
+    model = smp.transform(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert set(_OVERRIDES) - {"gather", "gather_for_metrics", "reduce"} <= set(vars(accelerator))
+    assert "save_pretrained" in vars(model) and len(accelerator._save_model_state_pre_hook) == 1
+assert Accelerator.__dict__["prepare"] is original
+assert not set(_OVERRIDES) & set(vars(accelerator)), set(_OVERRIDES) & set(vars(accelerator))
+assert "save_pretrained" not in vars(model)
+assert not accelerator._save_model_state_pre_hook and not accelerator._load_model_state_pre_hook
+print("RESTORED")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "SMP_", "MASTER_", "RANK"))}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "RESTORED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
