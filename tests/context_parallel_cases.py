@@ -416,3 +416,37 @@ def checkpoint_round_trip(path: str, save_cp: int, load_cp: int) -> dict:
         param_diff = max(float((full_tensor(p.detach()) - saved[n]).abs().max()) for n, p in model.named_parameters())
         loss_diff = abs(world_mean(_step_loss(model)) - next_loss)
         return {"param_diff": param_diff, "loss_diff": loss_diff}
+
+
+def ulysses_bytes(seq: int = 32) -> dict:
+    """Bytes this rank sends in one Ulysses forward + backward of the llama_mha model (counted at
+    its all-to-alls, each mirrored by autograd in backward, and its all-gather) vs
+    smp.context_parallel.cost.bytes_per_step, which `smp plan` reports."""
+    from smp.context_parallel import cost
+
+    with smp.session({"context_parallel_degree": 2, "context_parallel": {"algorithm": "ulysses"}}):
+        torch.manual_seed(0)
+        model = smp.transform(build("llama_mha"))
+        sent = [0]
+        real_a2a, real_gather = ulysses.all_to_all_autograd, ulysses.dist.all_gather_into_tensor
+
+        def all_to_all(t, out_splits, in_splits, group):
+            sent[0] += 2 * t.numel() * t.element_size() * (len(in_splits) - 1) // len(in_splits)
+            return real_a2a(t, out_splits, in_splits, group)
+
+        def gather(out, inp, group=None, **kw):
+            sent[0] += (smp.state.cp_size - 1) * inp.numel() * inp.element_size()
+            return real_gather(out, inp, group=group, **kw)
+
+        ulysses.all_to_all_autograd, ulysses.dist.all_gather_into_tensor = all_to_all, gather
+        try:
+            model(**cp.shard_batch(random_batch(1, seq, VOCAB, seed=3))).loss.backward()
+        finally:
+            ulysses.all_to_all_autograd, ulysses.dist.all_gather_into_tensor = real_a2a, real_gather
+        config = model.config
+        head_dim = config.hidden_size // config.num_attention_heads
+        formula = cost.bytes_per_step("ulysses", 2, 1, seq, config.num_key_value_heads * head_dim,
+                                      config.num_hidden_layers, q_dim=config.hidden_size)
+        return {"measured": sent[0], "formula": formula,
+                "ring": cost.bytes_per_step("ring", 2, 1, seq, config.num_key_value_heads * head_dim,
+                                            config.num_hidden_layers)}

@@ -268,3 +268,9 @@ def test_labels_shift_across_chunk_boundaries():
     assert first["labels"].tolist() == [[1, 2, 3, 4]]  # token 3 predicts token 4 on the other rank
     assert first["position_ids"].tolist() == [[0, 1, 2, 3]]
     assert float(first["num_items_in_batch"]) == 7 / 2
+
+
+def test_ulysses_bytes_match_the_plan(ranks):
+    """What one Ulysses forward + backward sends equals the formula `smp plan` reports."""
+    for r in ranks(2).run(context_parallel_cases.ulysses_bytes):
+        assert r["measured"] == r["formula"] > 0, r
