@@ -8,7 +8,9 @@ the optimizer loaded by torch's load_sharded_optimizer_state_dict + FSDP.optim_s
 (refused on every rank under TP, where that loader would read parts of the state from no folder;
 loaded with the model there); its final FULL_STATE_DICT save loads with from_pretrained.
 Negative controls: tests/test_sagemaker.py (cp with smp's position handling off; ranks with
-different save paths), the TP refusal here, and a resume without the optimizer's state (caught)."""
+different save paths), the TP refusal here, and a resume without the optimizer's state (caught).
+At world 4 (TP 2 x dp 2, TP 2 x cp 2, marked slow: ~50 s each) the per-TP-rank folders save and
+resume bitwise (smp/sagemaker/tp_slices.py)."""
 
 from __future__ import annotations
 

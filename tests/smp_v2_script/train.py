@@ -13,7 +13,7 @@ parallelism, where smp refuses that loader, together with the model), and a fina
 `FULL_STATE_DICT` save that `from_pretrained` loads.
 
 The one line that makes it an smp script is the first import (torch.sagemaker -> smp.sagemaker).
-tests/test_smp_v2_script.py runs it at world 1 and 2.
+tests/test_smp_v2_script.py runs it at world 1, 2 and 4 (TP 2 x dp 2, TP 2 x cp 2).
 """
 
 from __future__ import annotations
