@@ -24,6 +24,11 @@ from torch import nn
 from smp._compat import no_split_modules, own_parameters
 from smp.errors import ConfigError, SMPWarning
 
+# torch's BatchNorm layers, which normalise with the statistics of the rows they see (SyncBatchNorm,
+# which computes them over every rank's rows, is none of these)
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+               nn.LazyBatchNorm3d)
+
 log = logging.getLogger(__name__)
 
 # Last components of a submodule's name that mark a vision or audio tower inside a multimodal model.
@@ -112,7 +117,7 @@ def describe(model: nn.Module, shard_modules: list[str] | None = None) -> Anatom
                                  if n and n.rpartition(".")[2].startswith(_TOWER_WORDS) and _has_params(m)]),
         tied=_tied(model),
         scalars=tuple(n for n, p in model.named_parameters() if p.ndim == 0),
-        batch_norms=tuple(n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)),
+        batch_norms=tuple(n for n, m in model.named_modules() if isinstance(m, BATCH_NORMS)),
     )
 
 

@@ -22,11 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from smp.anatomy import BATCH_NORMS
 from smp.errors import ConfigError
 
-# torch's BatchNorm layers (SyncBatchNorm, which computes global statistics, is none of these)
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
-               nn.LazyBatchNorm3d)
 
 
 def refuse_batch_statistics(model: nn.Module, dp_size: int) -> list[str]:
