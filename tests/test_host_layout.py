@@ -75,7 +75,7 @@ def test_readers_see_float32_parameters(ranks):
 def test_two_ranks_merged_units_are_bitwise_per_block(ranks, config):
     for report in ranks(2).run(cases.layout_vs_per_block, config=config, steps=2):
         assert report["base_units"] == 5 and report["units"] == 5, report  # grouped modules are each an FSDPModule
-        assert "1 FSDP units over 4 blocks" in report["layout"] and "merged" in report["layout"], report
+        assert "1 FSDP unit over 4 blocks" in report["layout"] and "merged" in report["layout"], report
         assert _bitwise(report), report
 
 

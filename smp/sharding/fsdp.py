@@ -207,7 +207,8 @@ def _merged_note(groups: list[list[int]], blocks: int, min_bytes: int) -> str:
         why = "one per block" if min_bytes == 0 else f"each block holds {min_bytes / 2**20:.0f} MiB or more"
         return f"unit layout: {blocks} FSDP units ({why}) + the root"
     sizes = ", ".join(str(len(g)) for g in groups[:8]) + (" ..." if len(groups) > 8 else "")
-    return (f"unit layout: {len(groups)} FSDP units over {blocks} blocks + the root (consecutive blocks merged "
+    units = f"{len(groups)} FSDP unit{'s' if len(groups) > 1 else ''}"
+    return (f"unit layout: {units} over {blocks} blocks + the root (consecutive blocks merged "
             f"into units of at least {min_bytes / 2**20:.0f} MiB, MIN_UNIT_BYTES: {sizes} blocks a unit)")
 
 
