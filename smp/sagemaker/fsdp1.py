@@ -177,7 +177,7 @@ def _optim_state_dict_to_load(original: Any, model: nn.Module, optim: Any, optim
     return optim.state_dict()
 
 
-def _parameters(model: nn.Module) -> dict[str, Any]:
+def _sharded_parameters(model: nn.Module) -> dict[str, Any]:
     """FQN (the optimizer state dict's keys) -> the sharded parameter."""
     mine = {name: model.__dict__.pop(name) for name in ("state_dict", "load_state_dict") if name in model.__dict__}
     try:  # DCP's helper calls model.state_dict(): the class's, not a state_dict_type block's
@@ -190,7 +190,7 @@ def _optimizer_slices(model: nn.Module, osd: dict[str, Any], shard_mesh: Any) ->
     """The optimizer state as per-TP-rank slices of each parameter's layout. A state tensor laid
     out otherwise (SGD's momentum copies a gradient that TP left replicated) takes its
     parameter's layout first (a local cut, exact), as SMP v2's state had the slice's shape."""
-    params = _parameters(model)
+    params = _sharded_parameters(model)
 
     def sliced(name: str, v: Any) -> Any:
         p = params.get(name)
@@ -206,7 +206,7 @@ def _optimizer_slices(model: nn.Module, osd: dict[str, Any], shard_mesh: Any) ->
 
 def _from_slices(model: nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
     """An optimizer state dict of per-TP-rank slices put back on each parameter's layout."""
-    params = _parameters(model)
+    params = _sharded_parameters(model)
     state = {name: ({k: from_slice(v, params[name]) for k, v in per_param.items()}
                     if name in params and isinstance(per_param, dict) else per_param)
              for name, per_param in osd.get("state", {}).items()}
