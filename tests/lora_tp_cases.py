@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import os
 from typing import Iterator
 
@@ -22,6 +23,8 @@ from smp.integrations.peft import merged_state_dict, save_adapter
 from smp.tensor_parallel import lora
 from smp.testing.distributed import full_tensor, local_rows, world_mean
 from smp.testing.models import random_batch, tiny_llama
+
+tp_apply = importlib.import_module("smp.tensor_parallel.apply")  # the module (the package exports the function)
 
 VOCAB, BATCH, SEQ = 128, 4, 16
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
@@ -38,20 +41,23 @@ def build_peft(seed: int = 0) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def _corrupted(kind: str | None) -> Iterator[None]:
-    """`unreduced`: a row-wise layer's lora_A output is left as this rank's partial sum."""
-    saved = lora.adapter_styles
+    """`unreduced`: a row-wise layer's lora_A output is left as this rank's partial sum;
+    `unfrozen`: the frozen parameters sequence parallel re-creates are left trainable."""
+    saved, keep_frozen = lora.adapter_styles, tp_apply._keep_frozen
     if kind == "unreduced":
-        def styles(base):
+        def styles(base, sequence_parallel=False):
             if base == lora.ROWWISE:
                 return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Partial()), None
-            return saved(base)
+            return saved(base, sequence_parallel)
         lora.adapter_styles = styles
+    elif kind == "unfrozen":
+        tp_apply._keep_frozen = lambda model, frozen: None
     elif kind is not None:
         raise ValueError(kind)
     try:
         yield
     finally:
-        lora.adapter_styles = saved
+        lora.adapter_styles, tp_apply._keep_frozen = saved, keep_frozen
 
 
 def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -58,6 +58,7 @@ def apply_tensor_parallel(
     divide_region_attrs(expanded.regions, _split_widths(expanded), _head_counts(model), tp)
 
     ties = _tied_parameters(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     applied: dict[str, str] = {}
     for a in expanded.assignments:
         applied[a.name] = a.style if isinstance(a.style, str) else type(a.style).__name__
@@ -71,12 +72,21 @@ def apply_tensor_parallel(
             continue
         parallelize_module(a.module, tp_mesh, style)
     _retie(ties)
+    _keep_frozen(model, frozen)
     if loss_parallel:
         use_vocab_parallel_loss(model)
     # For introspection and tests: what was applied where, and from which plan.
     model._smp_tp_plan = applied  # type: ignore[assignment]
     model._smp_tp_plan_source = resolved.source  # type: ignore[assignment]
     return model
+
+
+def _keep_frozen(model: nn.Module, frozen: set[str]) -> None:
+    """Frozen parameters stay frozen: torch's SequenceParallel re-creates the parameters it
+    replicates as trainable (a LoRA model's norms would train under sequence parallel)."""
+    for name, p in model.named_parameters():
+        if name in frozen and p.requires_grad:
+            p.requires_grad_(False)
 
 
 def check_head_counts(model: nn.Module, tp: int) -> None:

@@ -11,11 +11,13 @@ A LoRA layer computes base(x) + B(A(x)) x scaling, A: in -> r, B: r -> out, r sm
   split row-wise like the base (input features) and its r-wide partial output is all-reduced;
   lora_B stays whole. One more all-reduce per layer, of r values per token (r << out): the
   reverse (A whole) would need the whole input, an all-gather of `in` values per token.
+  Under sequence parallel the base's output is reduce-scattered by sequence, so is A's, and B
+  runs whole on the sequence shard (its gradient summed over tp like a sequence-parallel norm's).
 
 Adapters stay trainable parameters (DTensors where split), so FSDP shards them beside the base
 and `smp.integrations.save_adapter` gathers them whole. Refused (ConfigError, before any
-collective): sequence parallel with adapters, styles other than column-/row-wise on an adapted
-layer, DoRA, LoRA on embeddings.
+collective): styles other than column-/row-wise on an adapted layer, DoRA, LoRA on embeddings,
+QLoRA (bitsandbytes weights).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module,
+)
 
 from smp.errors import ConfigError
 
@@ -70,11 +74,17 @@ def is_lora_layer(module: nn.Module) -> bool:
             and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
 
 
-def adapter_styles(base: str) -> tuple[ParallelStyle | None, ParallelStyle | None]:
+def adapter_styles(base: str, sequence_parallel: bool = False) -> tuple[ParallelStyle | None, ParallelStyle | None]:
     """(lora_A's style, lora_B's style) beside a `base` ("colwise" / "rowwise") layer; None: left
-    whole (replicated)."""
-    if base == COLWISE:
+    whole (replicated). Under sequence parallel a row-wise base leaves its output split by
+    sequence (reduce-scatter): lora_A's partial sums are reduce-scattered the same way and
+    lora_B, whole, runs on the sequence shard (its gradient summed over the tp ranks, as a
+    sequence-parallel norm's)."""
+    if base == COLWISE:  # its input arrives whole, also under sequence parallel
         return None, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
+    if sequence_parallel:
+        return (RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(1), use_local_output=False),
+                SequenceParallel(use_local_output=False))
     return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()), None
 
 
@@ -99,11 +109,6 @@ def parallelize_lora(name: str, module: nn.Module, style_name: object, base_styl
             f"places adapters beside 'colwise' and 'rowwise' layers only: leave {name} out of the "
             f"adapters' target_modules, or out of the tensor-parallel plan"
         )
-    if sequence_parallel:
-        raise ConfigError(
-            f"tensor parallel: {name} carries LoRA adapters and tensor_parallel.sequence_parallel is "
-            f"true; adapters beside sequence-parallel layers are not built: set sequence_parallel: false"
-        )
     if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
         raise ConfigError(f"tensor parallel: {name} uses DoRA (use_dora=True), which smp does not split; "
                           f"use plain LoRA or tensor_parallel_degree: 1")
@@ -111,7 +116,7 @@ def parallelize_lora(name: str, module: nn.Module, style_name: object, base_styl
         raise ConfigError(f"tensor parallel: {name} has LoRA embedding adapters, which smp does not split")
     parallelize_module(module.base_layer, tp_mesh, base_style)
     for adapter in module.lora_A:
-        style_a, style_b = adapter_styles(base)
+        style_a, style_b = adapter_styles(base, sequence_parallel)
         if style_a is not None:
             parallelize_module(module.lora_A[adapter], tp_mesh, style_a)
         else:  # whole on every rank: takes the layer's input as a plain tensor (it may come as a DTensor)
