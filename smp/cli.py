@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", "-w", type=_world_size, required=True)
     plan.add_argument("--seq-len", type=_positive_int, default=2048)
     plan.add_argument("--batch", type=_positive_int, default=1, help="sequences per data-parallel rank per micro-step "
-                      "(under pipeline_parallel_degree: per smp.pipeline.step, split into pipeline.microbatches)")
+                      "(under pipeline_parallel_degree: per smp.step, split into pipeline.microbatches)")
     plan.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-steps per optimizer step")
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd or sgd-momentum")
     plan.add_argument("--rank", type=_non_negative_int, default=0, help="which rank to plan for")

@@ -166,7 +166,7 @@ REFUSED = (
             "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
     Refusal(("trainer", "pp"), "the Trainer runs the whole model's forward on every rank (compute_loss, "
             "prediction_step), while a pipelined model holds one stage per rank and trains only through "
-            "smp.pipeline.step(model, input_ids, labels)", "set pipeline_parallel_degree: 1 (FSDP / tensor "
+            "smp.step(model, batch)", "set pipeline_parallel_degree: 1 (FSDP / tensor "
             "parallel work with the Trainer), or train with pipeline parallelism in a plain loop such as "
             "examples/finetune_causal_lm.py (docs/pipeline-parallel.md)",
             "tests/test_trainer.py::test_pipeline_parallel_is_refused_at_construction"),

@@ -42,7 +42,7 @@ def transform(
 
     Build the optimizer after this call, from the returned module's parameters, as with FSDP2.
     With pipeline_parallel_degree > 1 it returns this rank's stages (smp.pipeline.PipelinedModel);
-    train it with `smp.pipeline.step`.
+    train it with `smp.step(model, batch)` like any other layout.
     `tp_plan` (module-name pattern -> style) overrides the model's own tensor-parallel plan;
     `moe_config` (smp.expert_parallel.MoEConfig, SMP v2's `transform(model, config=MoEConfig(...))`)
     overrides the config's `moe:` section.

@@ -21,7 +21,7 @@ def _env_flag(name: str) -> bool:
 def check_no_pipeline(cfg: SMPConfig) -> None:
     """Refuse what smp/composition.py refuses under the Trainer: pipeline parallelism (its training
     step runs the whole model's forward on every rank, and its evaluation calls the model; a
-    pipelined model holds one stage per rank and trains only through smp.pipeline.step)."""
+    pipelined model holds one stage per rank and trains only through smp.step)."""
     check_run(cfg, ("trainer",))  # the table's row for the Trainer with pipeline parallel
 
 

@@ -17,7 +17,7 @@ The seam (docs/trainer.md says why): the Trainer delegates parallelism to its ac
   save_model smp.checkpointing.export_hf (a from_pretrained folder) or the PEFT adapter
 The training loop, loss scaling, logging, callbacks and schedules stay the Trainer's.
 Pipeline parallelism is refused at construction (checks.check_no_pipeline): the Trainer calls
-the whole model per rank, a pipelined model trains only through smp.pipeline.step.
+the whole model per rank, a pipelined model trains only through smp.step.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ def _plan_pipeline(cfg: Any, dims: ParallelDims, model_cfg: Any, world_size: int
     try:
         check_pipeline(cfg.pipeline, dims.pp, batch_size=micro_batch)
     except ValueError as e:
-        raise ConfigError(f"{e} (--batch is the rows one smp.pipeline.step takes per data-parallel rank)") from None
+        raise ConfigError(f"{e} (--batch is the rows one smp.step takes per data-parallel rank)") from None
     if "reshard_after_forward" not in cfg.model_fields_set:  # what transform does under pp
         cfg = cfg.model_copy(update={"reshard_after_forward": False})
     microbatches = cfg.pipeline.microbatches or dims.pp * cfg.pipeline.local_stages()
