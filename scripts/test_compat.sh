@@ -73,7 +73,7 @@ SUBSET=(
 )
 
 # Cases a torch older than the given version refuses with smp.UnsupportedVersionError (by design,
-# smp/_compat.py; docs/compatibility.md): "<oldest torch that runs it>|<node id>". Below that
+# smp/_compat/; docs/compatibility.md): "<oldest torch that runs it>|<node id>". Below that
 # version the case is deselected and the table lists it as refused.
 NEEDS=(
   # sequence parallel: torch 2.9 has no DTensor rule for aten.alias (_compat.check_sequence_parallel)

@@ -1,6 +1,6 @@
-"""Other libraries' private names only behind smp/_compat.py.
+"""Other libraries' private names only behind smp/_compat/ (one module per library).
 
-The rule, checked on the source (AST) of every module of smp except smp/_compat.py. A name is
+The rule, checked on the source (AST) of every module of smp outside smp/_compat/. A name is
 private when it starts with "_" and is not a dunder ("__version__" is public). A foreign library
 is torch, transformers, accelerate, trl or peft. Outside the compat layer:
 
@@ -23,7 +23,7 @@ is torch, transformers, accelerate, trl or peft. Outside the compat layer:
    `_compat.EXTENSION_POINTS` (torch's `ParallelStyle._apply`, which a custom tensor-parallel
    style must define). Those names may also be read on `self` and `super()`.
 
-"The foreign private names the compat layer reaches" are read from smp/_compat.py itself (every
+"The foreign private names the compat layer reaches" are read from smp/_compat/ itself (every
 private attribute, literal and module part it uses), so the list cannot fall behind it.
 """
 
@@ -38,7 +38,7 @@ import smp
 from smp import _compat
 
 SMP_DIR = pathlib.Path(smp.__file__).parent
-COMPAT = SMP_DIR / "_compat.py"
+COMPAT = SMP_DIR / "_compat"  # the compat layer: a package, one module per library
 FOREIGN = {"torch", "transformers", "accelerate", "trl", "peft"}
 ACCESSORS = {"getattr", "hasattr", "setattr", "delattr"}
 CHECKED_OVERRIDES = _compat.TRAINER_OVERRIDES | _compat.EXTENSION_POINTS
@@ -165,18 +165,23 @@ def violations(source: str, filename: str, own: set[str], foreign: set[str]) -> 
 
 
 def _smp_sources() -> dict[str, str]:
-    return {str(p.relative_to(SMP_DIR.parent)): p.read_text() for p in sorted(SMP_DIR.rglob("*.py")) if p != COMPAT}
+    return {str(p.relative_to(SMP_DIR.parent)): p.read_text() for p in sorted(SMP_DIR.rglob("*.py"))
+            if COMPAT not in p.parents}
+
+
+def _compat_source() -> str:
+    return "\n".join(p.read_text() for p in sorted(COMPAT.glob("*.py")))
 
 
 def _rule_inputs() -> tuple[set[str], set[str]]:
     sources = _smp_sources()
-    return own_private_names(list(sources.values())), compat_private_names(COMPAT.read_text())
+    return own_private_names(list(sources.values())), compat_private_names(_compat_source())
 
 
 def test_no_private_foreign_name_outside_the_compat_layer():
     own, foreign = _rule_inputs()
     found = [v for name, source in _smp_sources().items() for v in violations(source, name, own, foreign)]
-    assert not found, "reach these through smp/_compat.py:\n" + "\n".join(found)
+    assert not found, "reach these through smp/_compat/:\n" + "\n".join(found)
 
 
 def test_the_rule_catches_each_way_around_it():
@@ -215,7 +220,7 @@ def test_the_rule_catches_each_way_around_it():
 
 
 def test_the_compat_layer_knows_the_names_the_issue_listed():
-    """The foreign names read from smp/_compat.py include those smp is known to need."""
+    """The foreign names read from smp/_compat/ include those smp is known to need."""
     _, foreign = _rule_inputs()
     assert {"_functional_collectives", "_pytree", "_python_dispatch", "_traverse", "_internal", "_flatten",
             "_pg_registry", "_set_pg_timeout", "_fsdp_param_group", "_forward_hooks", "_dataloaders",
@@ -228,12 +233,14 @@ def test_a_feature_the_installed_torch_lacks_is_refused_naming_both_versions(mon
     the key, the version it needs and the installed one; `import smp` itself is unaffected."""
     from smp.errors import UnsupportedVersionError
 
-    monkeypatch.setattr(_compat, "torch_version", lambda: (2, 9))
+    from smp._compat import versions
+
+    monkeypatch.setattr(versions, "torch_version", lambda: (2, 9))
     with pytest.raises(UnsupportedVersionError) as caught:
         _compat.check_sequence_parallel()
     message = str(caught.value)
     assert "tensor_parallel.sequence_parallel" in message and ">= 2.11" in message
     assert f"installed: torch {_compat.installed('torch')}" in message
     assert isinstance(caught.value, smp.Error)
-    monkeypatch.setattr(_compat, "torch_version", lambda: (2, 11))
+    monkeypatch.setattr(versions, "torch_version", lambda: (2, 11))
     _compat.check_sequence_parallel()  # supported there: no error
