@@ -284,6 +284,10 @@ def _call_model(model: nn.Module, inputs: Mapping[str, Any], caller: str) -> Any
     its forward takes it), any other model the inputs its forward names."""
     if not is_hf_model(model):
         return _call_plain(model, inputs, caller)
+    if "use_cache" not in inputs and "use_cache" in inspect.signature(model.forward).parameters:
+        # A step never reads a cache; transformers builds one when use_cache is on (its configs'
+        # default), and then ignores the document boundaries of packed position_ids.
+        inputs = {**inputs, "use_cache": False}
     if _takes_loss_count(model):
         return model(**inputs)
     return model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"})

@@ -132,10 +132,11 @@ def test_packed_with_padding_is_refused_on_every_rank(ranks, padded, jump, expec
 
 
 @pytest.mark.parametrize("config,use_cache", [
-    ({}, False),  # FSDP 2: transformers' own packed masks need use_cache=False in the batch
+    ({}, False),  # FSDP 2: transformers' own packed masks need use_cache=False,
+    ({}, None),  # which smp.step passes when the batch does not say
     # context parallel: smp's attention reads the documents itself, whatever use_cache says
     (CP2, None), ({**CP2, "context_parallel": {"algorithm": "ulysses"}}, None),
-], ids=["fsdp2", "cp2-ring", "cp2-ulysses"])
+], ids=["fsdp2", "fsdp2-cache-unsaid", "cp2-ring", "cp2-ulysses"])
 def test_packed_through_smp_step(ranks, config, use_cache):
     _check(ranks(2).run(packed_cases.step_equivalence, config=config, use_cache=use_cache, timeout=300))
 
