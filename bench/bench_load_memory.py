@@ -16,7 +16,8 @@ transformers converts on load):
                and `load` of the saved checkpoint (DCP)
   eager        `smp.transform(from_pretrained(folder))` on every rank (what the meta path avoids)
   transformers `from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=2))`, and
-               `tp_plan="auto"` at TP 2 (its own distributed loading)
+               `DistributedConfig(tp_size=2)` (its own distributed loading); every parameter
+               is then read once (its shards may still be views of the mapped file)
 Wall and CPU (user + system of the rank's process) seconds per phase are reported beside it.
 
 Writes bench/results/load_memory[_<label>].json; `--label before` with PYTHONPATH pointing at an
@@ -139,6 +140,22 @@ def _model_bytes(config) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
+def _touch(model) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for t in (*model.parameters(), *model.buffers()):
+        float((t.to_local() if isinstance(t, DTensor) else t).detach().float().sum())
+
+
+def _held(model) -> tuple[float, int]:
+    """(MiB of parameters and buffers this rank holds, local shards; how many are still on meta)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local if not t.is_meta) / 2**20, sum(t.is_meta for t in local)
+
+
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
@@ -156,7 +173,9 @@ def worker(a) -> None:
         dist_config = DistributedConfig(fsdp_size=2) if layout == "fsdp" else DistributedConfig(tp_size=2)
 
         def load():
-            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, distributed_config=dist_config)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, distributed_config=dist_config)
+            _touch(model)  # its shards may still be views of the mapped file: read each page once, as a step would
+            return model
     else:
         import smp
 
@@ -173,6 +192,7 @@ def worker(a) -> None:
                 return smp.transform(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
     world = int(os.environ["WORLD_SIZE"])
     report["load"], model = _measure(load)
+    report["held_mib"], report["on_meta"] = _held(model)
     if case.get("save"):
         import smp
 
@@ -265,6 +285,8 @@ def main() -> None:
                 results.append(row)
                 continue
             row["model_mib"], row["largest_mib"] = ranks[0]["model_mib"], ranks[0]["largest_mib"]
+            row["held_mib"] = [round(r["held_mib"], 1) for r in ranks]
+            row["on_meta"] = [r["on_meta"] for r in ranks]
             for phase in PHASES:
                 if phase in ranks[0]:
                     row[phase] = {k: [round(r[phase][k], 3) for r in ranks] for k in ranks[0][phase]}

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -541,9 +541,34 @@ def _read_boxes(folder: dict[str, Stored], mapping: dict[str, str], state: dict[
 
 def _boxes(t: torch.Tensor) -> list[tuple[list[int], list[int], list[int]]]:
     """(offsets in the whole tensor, sizes, offsets in the local tensor) of each box this rank holds."""
-    if isinstance(t, DTensor):
-        return packed.boxes(t) if t.device_mesh.get_coordinate() is not None else []
-    return [([0] * t.dim(), list(t.shape), [0] * t.dim())]
+    if not isinstance(t, DTensor):
+        return [([0] * t.dim(), list(t.shape), [0] * t.dim())]
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:
+        return []
+    box = _shard_box(t, coordinate)
+    return [box] if box is not None else packed.boxes(t)
+
+
+def _shard_box(t: DTensor, coordinate: list[int]) -> tuple[list[int], list[int], list[int]] | None:
+    """The one box a DTensor of plain Shard / Replicate placements holds, from DTensor's split
+    rule (`torch.chunk`: ceil(size / n) per rank, the last ones shorter or empty), mesh dim by
+    mesh dim; None for other placements (a strided shard: packed.boxes), or when the result
+    does not match the local shape (never guessed)."""
+    offsets, sizes = [0] * t.ndim, list(t.shape)
+    for mesh_dim, p in enumerate(t.placements):
+        if p.is_replicate():
+            continue
+        if type(p) is not Shard:
+            return None
+        dim, n, c = p.dim % t.ndim, t.device_mesh.size(mesh_dim), coordinate[mesh_dim]
+        chunk = -(-sizes[dim] // n)
+        start = min(c * chunk, sizes[dim])
+        offsets[dim] += start
+        sizes[dim] = min(chunk, sizes[dim] - start)
+    if sizes != list(t.to_local().shape):
+        return None
+    return offsets, sizes, [0] * t.ndim
 
 
 def _default_device() -> torch.device:
