@@ -189,3 +189,33 @@ def weights_into(config: dict, export: str) -> float:
             meta = model_of("llama")
         loaded = smp.transform(meta, weights=export)
         return _max_diff(loaded, {**dict(pretrained.named_parameters()), **dict(pretrained.named_buffers())})
+
+
+def _grouped_optim(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Hugging Face's example scripts' two groups, "no weight decay" for names with "bias" or
+    "layer_norm.weight": for Llama no name matches, so that group is empty."""
+    named = list(model.named_parameters())
+    no_decay = ("bias", "layer_norm.weight")
+    return torch.optim.AdamW([
+        {"params": [p for n, p in named if not any(k in n for k in no_decay)], "weight_decay": 0.01},
+        {"params": [p for n, p in named if any(k in n for k in no_decay)], "weight_decay": 0.0},
+    ], lr=1e-2)
+
+
+def empty_group_resume(config: dict, path: str) -> dict:
+    """Train 2 steps, save (model + an optimizer with an empty group), train 2 more; then load
+    the checkpoint into a fresh model and optimizer and train the same 2 steps."""
+    with smp.session(config):
+        torch.manual_seed(smp.state.config.random_seed)
+        model = smp.transform(model_of("llama"))
+        opt = _grouped_optim(model)
+        _train(model, opt, 0, 2)
+        smp.checkpointing.save(path, model, opt)
+        uninterrupted = _train(model, opt, 2, 4)
+    with smp.session(config):
+        torch.manual_seed(123)
+        model = smp.transform(model_of("llama"))
+        opt = _grouped_optim(model)
+        smp.checkpointing.load(path, model, opt)
+        groups = [len(g["params"]) for g in opt.param_groups]
+        return {"uninterrupted": uninterrupted, "resumed": _train(model, opt, 2, 4), "groups": groups}

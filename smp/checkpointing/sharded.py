@@ -29,7 +29,8 @@ import errno
 import logging
 import os
 import shutil
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,25 @@ from smp.mesh import ParallelDims
 log = logging.getLogger(__name__)
 
 EXTRA_DIR = "smp_extra"
+
+
+@contextmanager
+def _without_empty_groups(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Hide the optimizer's parameter groups that hold no parameter while a flat (pipelined)
+    optimizer state is loaded. The flat form keeps a group's settings per parameter, so an empty
+    group has none to read back and torch's loader fails on it; scripts make such groups (Hugging
+    Face's "no weight decay" group when no name matches it, or a stage holding none of a group's
+    parameters). An empty group has no state to restore: it is put back as it was."""
+    if optimizer is None or all(group["params"] for group in optimizer.param_groups):
+        yield
+        return
+    groups = optimizer.param_groups
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        loaded = iter(optimizer.param_groups)
+        optimizer.param_groups = [g if not g["params"] else next(loaded) for g in groups]
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None, flat: bool = False) -> dict[str, Any]:
@@ -355,8 +375,9 @@ def load(
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        with _without_empty_groups(optimizer if flat else None):
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=StateDictOptions(flatten_optimizer_state_dict=flat))
         if meta.get("optimizer_fresh"):
             optimizer.state.clear()  # saved before its first step: it had no state to restore
     atomic.adopt_run(meta.get("run_id"))
