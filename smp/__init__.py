@@ -4,7 +4,8 @@ from smp import checkpointing  # smp.checkpointing.save / load / latest / export
 from smp.config import SMPConfig, load_config
 from smp.errors import CheckpointError, ConfigError, Error, SMPWarning
 from smp.reliability import NonFiniteGradientError, PeerFailure, check_finite_grads, step_guard
-from smp.runtime import init, is_initialized, session, shutdown, state
+from smp import runtime
+from smp.runtime import is_initialized, shutdown, state
 from smp.sharding.gradient_sync import gradient_sync_bytes  # bytes sent per rank (smp_collectives)
 from smp.training import clip_grad_norm_, evaluate, no_sync, step  # step: one training step, any layout
 from smp.transform import transform
@@ -36,6 +37,30 @@ __all__ = [
     "step_guard",
     "transform",
 ]
+
+
+def init(config=None, *, backend: str | None = None):
+    """Validate the config, join (or create) the process group and build the device mesh
+    (smp.runtime.init; reads torchrun's environment). A script that imported accelerate gets
+    its Accelerator adapted for the session (docs/accelerate.md)."""
+    return runtime.init(config, backend=backend, integrations=_integrations())
+
+
+def session(config=None, *, backend: str | None = None):
+    """`with smp.session(cfg) as st:` = `smp.init(cfg)` ... `smp.shutdown()`, even on error."""
+    return runtime.session(config, backend=backend, integrations=_integrations())
+
+
+def _integrations() -> list:
+    """The libraries the script uses that smp adapts for the session: accelerate, when the
+    script imported it (smp never imports it itself)."""
+    import sys
+
+    if "accelerate" not in sys.modules:
+        return []
+    from smp.integrations import accelerate
+
+    return [accelerate]
 
 
 def init_context():

@@ -26,10 +26,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import sys
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -185,11 +184,15 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
+def init(config: ConfigSource = None, *, backend: str | None = None, integrations: Sequence[Any] = ()) -> _State:
     """Validate the config, join (or create) the process group and build the device mesh.
 
     Reads torchrun's environment. With no RANK/WORLD_SIZE set it runs as a world of one.
     Calling it again with the same config is a no-op; with a different one is an error.
+    `integrations`: objects adapting a library the script uses (smp.init passes
+    smp.integrations.accelerate when accelerate is imported), each with `check_world(world_size)`
+    (before the process group: refuse a launch that library misread) and `start(world_size)`
+    (after the session opened).
     """
     global _STATE
     cfg = load_config(config)  # all config errors surface here, before any collective
@@ -213,9 +216,8 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
         chosen_backend = backend or cfg.backend or default_backend()
     # Degree checks need only the world size: fail before touching the network.
     dims = ParallelDims.from_config(cfg, world_size)
-    accelerate = _accelerate_integration()
-    if accelerate is not None:  # an Accelerator that decided "one process" is refused here
-        accelerate.check_world(world_size)
+    for integration in integrations:  # e.g. an Accelerator that decided "one process" is refused here
+        integration.check_world(world_size)
 
     local_rank = _env_int("LOCAL_RANK", 0)
     if chosen_backend == "nccl":
@@ -258,8 +260,8 @@ def init(config: ConfigSource = None, *, backend: str | None = None) -> _State:
     seed_everything(cfg.random_seed)
     _agree_on_run_id()
     report_uncaught_errors()  # an error outside every step_guard is reported as one (guard.py)
-    if accelerate is not None:  # the script's Accelerator(s) run on smp until shutdown
-        accelerate.start(world_size)
+    for integration in integrations:  # e.g. the script's Accelerator(s) run on smp until shutdown
+        integration.start(world_size)
     return _STATE
 
 
@@ -280,16 +282,6 @@ def _check_launch_environment() -> None:
         f"--multi_gpu --num_processes N script.py`, on GPUs the same without ACCELERATE_USE_CPU; for one process "
         f"unset MASTER_ADDR (docs/accelerate.md)"
     )
-
-
-def _accelerate_integration() -> Any:
-    """smp.integrations.accelerate when the script imported accelerate, else None (smp never
-    imports accelerate itself)."""
-    if "accelerate" not in sys.modules:
-        return None
-    from smp.integrations import accelerate
-
-    return accelerate
 
 
 def _agree_on_run_id() -> None:
@@ -343,12 +335,13 @@ def _mesh_groups(st: _State) -> list[dist.ProcessGroup]:
 
 
 @contextlib.contextmanager
-def session(config: ConfigSource = None, *, backend: str | None = None) -> Iterator[_State]:
+def session(config: ConfigSource = None, *, backend: str | None = None,
+            integrations: Sequence[Any] = ()) -> Iterator[_State]:
     """`with smp.session(cfg) as st:` = `smp.init(cfg)` ... `smp.shutdown()`, even on error.
 
     For notebooks, tests and scripts that run several configurations in one process.
     """
-    st = init(config, backend=backend)
+    st = init(config, backend=backend, integrations=integrations)
     try:
         yield st
     finally:

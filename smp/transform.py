@@ -206,7 +206,10 @@ def _fsdp(model: nn.Module, run: Run) -> None:
             model, shard_mesh, run.blocks, **dtypes, reduce_dtype=torch_dtype(mp.reduce_dtype),
             cast_forward_inputs=mp.cast_forward_inputs, reshard_after_forward=reshard,
             cpu_offload=cfg.cpu_offload, fixed_units=dims.pp > 1 or sync.algorithm != "default" or by_hook
-            or cfg.parameter_gather.algorithm != "default" or bool(cfg.parameter_gather.hierarchical),  # units fixed
+            or cfg.parameter_gather.algorithm != "default" or bool(cfg.parameter_gather.hierarchical)  # units fixed
+            # A multimodal model's tower reads a middle layer's output (LLaVA's vision_feature_layer
+            # -2): a unit merged over blocks whose outputs go partly unused fails in backward.
+            or bool(run.anatomy.towers),
         )
     elif dims.tp > 1:
         settle_partial_grads(model)

@@ -17,7 +17,10 @@ from smp.reliability.finite import NonFiniteGradientError
 SMP_DIR = pathlib.Path(smp.__file__).parent
 # The modules that read smp's global state (smp.runtime) for the user; everything below them
 # takes plain values.
-RUNTIME_READERS = {"smp", "smp.transform", "smp.checkpointing", "smp.tensor_parallel", "smp.cli", "smp.sagemaker",
+RUNTIME_READERS = {"smp", "smp.transform", "smp.training", "smp.checkpointing", "smp.tensor_parallel", "smp.cli",
+                   "smp.sagemaker",
+                   # the accelerate adapter and the Hugging Face export the integrations hand the user
+                   "smp.integrations.accelerate", "smp.integrations.saving",
                    # `tsm.init` and `tsm.state`: smp.sagemaker's entry points, in modules of their own
                    "smp.sagemaker._session", "smp.sagemaker._state_view"}
 

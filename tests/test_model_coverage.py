@@ -198,6 +198,16 @@ def test_image_rows_skipped_on_one_rank_are_caught(ranks):
     assert {r["status"] for r in results} == {"mismatch"}, results
 
 
+def test_a_tower_reading_a_middle_layer_trains_exactly(ranks):
+    """LLaVA's projector reads the vision tower's second-to-last layer, so the last layer's output
+    goes unused: the tower keeps one FSDP unit per block (a unit merged over such blocks failed
+    in backward, 'setStorage ... storage of size 0'), exact against one process."""
+    from tests import model_coverage_vlm_cases as vcases
+
+    results = ranks(2).run(vcases.classify, family="llava", kind="image-text", timeout=240, **cases.MODES["fsdp"])
+    assert {r["status"] for r in results} == {"exact"}, results
+
+
 def test_contrastive_loss_without_the_gather_is_caught(ranks):
     """Negative control: CLIP's loss over each rank's own rows (no gathered negatives) differs
     from the global-batch loss of one process: a mismatch, not exact."""

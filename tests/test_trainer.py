@@ -217,7 +217,7 @@ def test_pipeline_parallel_is_refused_at_construction(tmp_path):
             cls(model=trainer_cases.build_model(), args=trainer_cases.training_args(str(tmp_path), 1),
                 train_dataset=data, smp_config={"pipeline_parallel_degree": 2})
         message = str(info.value)
-        assert "pipeline_parallel_degree=2" in message and "smp.pipeline.step" in message, message
+        assert "pipeline_parallel_degree=2" in message and "smp.step(model, batch)" in message, message
         assert "examples/finetune_causal_lm.py" in message, message
     assert not smp.is_initialized()
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from smp import runtime
-from smp.checkpointing import hf, sharded
+from smp.checkpointing import hf, hf_folder, sharded
 from smp.checkpointing.atomic import latest
 from smp.checkpointing.hf import DEFAULT_MAX_SHARD_BYTES, load_hf
 from smp.checkpointing.sharded import load, wait
@@ -75,10 +75,8 @@ def export_hf(
     `dtype` casts on the way out (e.g. torch.bfloat16 for a half-size release); `max_shard_bytes`
     caps each safetensors file. Returns the folder's path. A folder that holds other files (a
     run's output_dir beside its step_N checkpoints) keeps them: the model files are written
-    beside them, as save_pretrained does (smp.integrations.saving).
+    beside them, as save_pretrained does (smp.checkpointing.hf_folder).
     """
-    from smp.integrations import saving  # (imports neither transformers nor accelerate)
-
-    if saving.holds_other_files(out_dir):
-        return saving.export_hf_folder(out_dir, model, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if hf_folder.holds_other_files(out_dir):
+        return hf_folder.export_into(out_dir, model, dims=_dims(), dtype=dtype, max_shard_bytes=max_shard_bytes)
     return hf.export_hf(out_dir, model, dtype=dtype, max_shard_bytes=max_shard_bytes, dims=_dims())

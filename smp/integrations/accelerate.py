@@ -52,13 +52,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, RandomSampler
 
-import smp
-from smp import _compat
+from smp import _compat, checkpointing, runtime
 from smp.errors import CheckpointError, ConfigError
 from smp.integrations.data import gather_by_dp, gather_for_metrics_by_dp, prepare_data_loader_by_dp, reduce_by_dp
 from smp.integrations.saving import export_hf_folder, full_state_dict
 from smp.pipeline.schedule import PipelinedModel
 from smp.scope import Slot
+from smp.training import clip_grad_norm_, no_sync
 from smp.transform import is_transformed
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _adapt(accelerator: Accelerator) -> _Adapted | None:
     adapted = session.adapted.get(id(accelerator))
     if adapted is not None or _adapted_by_trainer(accelerator):
         return adapted
-    st = smp.state
+    st = runtime.state
     check_world(st.world_size, accelerator.num_processes)
     if accelerator.mixed_precision not in ("no", None):
         raise ConfigError(
@@ -216,7 +216,7 @@ def _adopt_model(adapted: _Adapted, model: nn.Module) -> None:
 
 def _prepare_data_loader(adapted: _Adapted, data_loader: DataLoader, device_placement: bool | None = None, *,
                          peers: bool, **kwargs: Any) -> DataLoader:
-    st, accelerator = smp.state, adapted.accelerator
+    st, accelerator = runtime.state, adapted.accelerator
     if (st.dp_size == 1 and isinstance(getattr(data_loader, "sampler", None), RandomSampler)
             and not accelerator.use_seedable_sampler):
         adapted.order_at_iteration = True  # (see _load_state_hook)
@@ -289,7 +289,7 @@ def _prepare_scheduler(adapted: _Adapted, scheduler: Any) -> Any:
         return scheduler
     candidates = adapted.optimizers + _compat.prepared_optimizers(accelerator)
     optimizer = next((o for o in candidates if getattr(scheduler, "optimizer", None) is o.optimizer), candidates)
-    st = smp.state
+    st = runtime.state
     wrapped = DataParallelScheduler(scheduler, optimizer, step_with_optimizer=accelerator.step_scheduler_with_optimizer,
                                     split_batches=accelerator.split_batches, steps_per_update=st.dp_size)
     _compat.track_scheduler(accelerator, wrapped)
@@ -297,9 +297,9 @@ def _prepare_scheduler(adapted: _Adapted, scheduler: Any) -> Any:
         adapted.warned_scheduler = True
         log.warning(
             "smp: the learning-rate scheduler steps %d time(s) per update, once per data-parallel rank "
-            "(smp.state.dp_size); accelerator.num_processes is %d (every process). A schedule length or warmup "
+            "(runtime.state.dp_size); accelerator.num_processes is %d (every process). A schedule length or warmup "
             "your script multiplied by accelerator.num_processes is %dx too long here: multiply by "
-            "smp.state.dp_size instead", st.dp_size, st.world_size, st.world_size // st.dp_size)
+            "runtime.state.dp_size instead", st.dp_size, st.world_size, st.world_size // st.dp_size)
     return wrapped
 
 
@@ -309,7 +309,7 @@ def _prepare_scheduler(adapted: _Adapted, scheduler: Any) -> Any:
 
 @contextlib.contextmanager
 def _no_sync(original: Callable[[nn.Module], Any], model: nn.Module) -> Iterator[None]:
-    with (smp.no_sync(model) if is_smp_model(model) else original(model)):
+    with (no_sync(model) if is_smp_model(model) else original(model)):
         yield
 
 
@@ -328,8 +328,8 @@ def _clip_grad_norm(adapted: _Adapted, original: Callable[..., Any], parameters:
     wanted = {id(p) for p in params}
     for model in adapted.models:  # the whole model: a pipelined one sums its stages over pipeline ranks
         if _param_ids([model]) == wanted:
-            return smp.clip_grad_norm_(model, max_norm, norm_type)
-    return smp.clip_grad_norm_(params, max_norm, norm_type)
+            return clip_grad_norm_(model, max_norm, norm_type)
+    return clip_grad_norm_(params, max_norm, norm_type)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -399,7 +399,7 @@ def _save_state_hook(adapted: _Adapted, models: list[nn.Module], weights: list[A
     for i in reversed(range(len(models))):
         if not is_smp_model(models[i]):
             continue
-        smp.checkpointing.save(os.path.join(output_dir, model_dir(i)), models[i], _optimizer_of(adapted, models[i]))
+        checkpointing.save(os.path.join(output_dir, model_dir(i)), models[i], _optimizer_of(adapted, models[i]))
         if i < len(weights):
             del weights[i]
 
@@ -407,7 +407,7 @@ def _save_state_hook(adapted: _Adapted, models: list[nn.Module], weights: list[A
 def _load_state_hook(adapted: _Adapted, models: list[nn.Module], input_dir: str) -> None:
     """accelerate's load pre-hook: each smp model and its optimizer from `<input_dir>/smp_model[_i]`
     (at any layout: smp reshards), taken out of the models accelerate loads."""
-    if adapted.order_at_iteration and smp.state.rank == 0:
+    if adapted.order_at_iteration and runtime.state.rank == 0:
         log.warning(
             "smp: one data-parallel rank reads the data as accelerate's one-process loader does: a shuffling loader "
             "draws each epoch's order when iteration starts, so after load_state a resumed epoch is read in another "
@@ -418,7 +418,7 @@ def _load_state_hook(adapted: _Adapted, models: list[nn.Module], input_dir: str)
             continue
         path = os.path.join(input_dir, model_dir(i))
         try:
-            smp.checkpointing.load(path, models[i], _optimizer_of(adapted, models[i]))
+            checkpointing.load(path, models[i], _optimizer_of(adapted, models[i]))
         except CheckpointError as e:
             raise CheckpointError(
                 f"accelerator.load_state({input_dir!r}): model {i} is an smp model, whose weights and optimizer "

@@ -1,42 +1,25 @@
-"""The final model as a Hugging Face folder that `from_pretrained` loads, written by smp's
-export (sharded gather on every rank, consolidation on rank 0), also into a folder that holds
-other files, as `save_pretrained` writes into a run's output_dir beside its `step_N` folders.
-
-smp.checkpointing.export_hf replaces its target folder atomically, so a folder holding other
-files is exported here: into a staging folder inside the target, whose files are then moved up
-(the old weight files removed first). The moves are ordered so that the folder never looks
-complete while it is not: weights first, then the shard index, `config.json` last (and the
-old `config.json` is removed with the old weights), so a run killed in between leaves a folder
-`from_pretrained` refuses rather than one that mixes two saves.
+"""The final model as a Hugging Face folder for the integrations (Trainer, accelerate):
+`export_hf_folder` writes it into a folder that holds other files (smp.checkpointing.hf_folder),
+as `save_pretrained` writes into a run's output_dir beside its `step_N` folders.
 
 `full_state_dict` is the whole model as plain host tensors, for `accelerator.get_state_dict`.
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-import smp
-from smp import _compat
-from smp.checkpointing import hf, packed
+from smp import _compat, runtime
+from smp.checkpointing import hf_folder, packed
 from smp.checkpointing.hf import DEFAULT_MAX_SHARD_BYTES
+from smp.errors import ConfigError
 from smp.pipeline.schedule import PipelinedModel
-
-_STAGING = ".smp_hf_export"
-# What export_hf writes besides the weights: kept only inside the staging folder, so that the
-# run folder never looks like an smp export (which a later export would replace whole).
-_SMP_FILES = ("smp_meta.json", "smp_commit.json")
-_INDEX = "model.safetensors.index.json"
-_CONFIG = "config.json"
 
 
 def export_hf_folder(out_dir: str | os.PathLike | nn.Module, model: nn.Module | str | os.PathLike, *,
@@ -47,57 +30,11 @@ def export_hf_folder(out_dir: str | os.PathLike | nn.Module, model: nn.Module | 
         warnings.warn("export_hf_folder(model, out_dir) is deprecated: pass export_hf_folder(out_dir, model), "
                       "the order of smp.checkpointing.export_hf", DeprecationWarning, stacklevel=2)
         out_dir, model = model, out_dir
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    staging = os.path.join(out_dir, _STAGING)
-    rank0 = _rank() == 0
-    if rank0:
-        # Left by an export that died mid-move: export_hf would refuse it (not a complete export).
-        # Only rank 0 touches it, and export_hf's first step on rank 0 comes after this.
-        shutil.rmtree(staging, ignore_errors=True)
-    dims = smp.state.dims if smp.is_initialized() else None
-    hf.export_hf(staging, model, dtype=dtype, max_shard_bytes=max_shard_bytes, dims=dims)
-    error = None
-    if rank0:
-        try:
-            _move_up(staging, out_dir)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-    if dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)  # also the barrier: the folder is complete for all
-        error = box[0]
-    if error:
-        raise smp.CheckpointError(f"moving the export into {out_dir!r} failed on rank 0: {error}")
-    return out_dir
+    dims = runtime.state.dims if runtime.is_initialized() else None
+    return hf_folder.export_into(out_dir, model, dims=dims, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
 
-def _move_up(staging: str, out_dir: str) -> None:
-    """(rank 0) Replace the model files of `out_dir` by the staged ones, config last."""
-    # Old weights of a previous save (another shard count) must not mix with the new ones.
-    for old in glob.glob(os.path.join(out_dir, "model*.safetensors")) + [
-            os.path.join(out_dir, _INDEX), os.path.join(out_dir, _CONFIG)]:
-        if os.path.isfile(old):
-            os.remove(old)
-    names = [n for n in os.listdir(staging) if n not in _SMP_FILES]
-    last = [n for n in (_INDEX, _CONFIG) if n in names]
-    for name in [n for n in names if n not in last] + last:
-        os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
-    shutil.rmtree(staging)
-
-
-def holds_other_files(out_dir: str | os.PathLike) -> bool:
-    """Whether `out_dir` is a non-empty folder that is not an smp export (a run's output_dir),
-    as rank 0 sees it, agreed by every rank. Collective when distributed."""
-    from smp.checkpointing import atomic
-
-    path = os.path.abspath(os.fspath(out_dir))
-    verdict = (os.path.isdir(path) and not os.path.islink(path) and bool(os.listdir(path))
-               and not atomic.is_committed(path))
-    if dist.is_initialized():
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0)
-        verdict = box[0]
-    return verdict
+holds_other_files = hf_folder.holds_other_files
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -105,14 +42,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     tensor-parallel parameters gathered, packed q|k|v / gate|up ones in their real layout).
     Collective: every rank calls it. A pipelined model holds one stage per rank: refused."""
     if isinstance(model, PipelinedModel):
-        raise smp.ConfigError(
+        raise ConfigError(
             "the whole state dict of a pipelined model is not gathered on one rank; write it with "
             "model.save_pretrained(folder) or smp.checkpointing.export_hf(folder, model) (every rank)")
     state = get_model_state_dict(model)
     state = packed.whole_for_save(state, packed.packed_keys(state))
     return {k: (_compat.full_tensor(v.detach()) if isinstance(v, DTensor) else v.detach()).cpu()
             for k, v in state.items()}
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
