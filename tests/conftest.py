@@ -26,3 +26,18 @@ def ranks():
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+@pytest.fixture(autouse=True)
+def _no_session_from_an_earlier_test():
+    """Each test starts without an smp session: one left open by an earlier in-process test
+    would make `smp.init` of the same config a no-op (its checks skipped) and route saves through
+    that session. Closed here, with a warning naming the test that finds it."""
+    import warnings
+
+    import smp
+
+    if smp.is_initialized():
+        warnings.warn("an smp session was left open by an earlier test; closed before this one")
+        smp.shutdown()
+    yield
