@@ -257,11 +257,15 @@ def init(config: ConfigSource = None, *, backend: str | None = None, integration
         rank=rank, world_size=world_size, local_rank=local_rank, owns_process_group=owns,
         scope=_scope.open_session(f"session (rank {rank})"),
     )
-    seed_everything(cfg.random_seed)
-    _agree_on_run_id()
-    report_uncaught_errors()  # an error outside every step_guard is reported as one (guard.py)
-    for integration in integrations:  # e.g. the script's Accelerator(s) run on smp until shutdown
-        integration.start(world_size)
+    try:
+        seed_everything(cfg.random_seed)
+        _agree_on_run_id()
+        report_uncaught_errors()  # an error outside every step_guard is reported as one (guard.py)
+        for integration in integrations:  # e.g. the script's Accelerator(s) run on smp until shutdown
+            integration.start(world_size)
+    except BaseException:
+        shutdown()  # a refusal after the session opened leaves none behind (a later init would reuse it)
+        raise
     return _STATE
 
 
