@@ -27,6 +27,8 @@ The views (flattened axes), each always present too: "dp_shard" = dp_shard_mod_e
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +40,10 @@ from smp.config import ConfigError, SMPConfig
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 # name -> the axes it flattens, in the order they are built (a view may flatten an earlier view)
-MESH_VIEWS = {"dp_shard": ("dp_shard_mod_ep", "ep"), "dp": ("dp_replicate", "dp_shard"),
-              "dp_shard_cp": ("dp_shard", "cp")}
+# Each view flattens root axes only: torch 2.11 cannot slice a flattened view together with
+# another axis ("Mesh dim indices should be in ascending order").
+MESH_VIEWS = {"dp_shard": ("dp_shard_mod_ep", "ep"), "dp": ("dp_replicate", "dp_shard_mod_ep", "ep"),
+              "dp_shard_cp": ("dp_shard_mod_ep", "ep", "cp")}
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ class ParallelDims:
     def size(self, axis: str) -> int:
         """The size of mesh axis or view `axis` (a name of MESH_DIM_NAMES or MESH_VIEWS)."""
         if axis in MESH_VIEWS:
-            return self.size(MESH_VIEWS[axis][0]) * self.size(MESH_VIEWS[axis][1])
+            return math.prod(self.size(part) for part in MESH_VIEWS[axis])
         return self.shape[MESH_DIM_NAMES.index(axis)]
 
     def describe(self) -> str:
