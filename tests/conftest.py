@@ -29,15 +29,18 @@ def ranks():
 
 
 @pytest.fixture(autouse=True)
-def _no_session_from_an_earlier_test():
-    """Each test starts without an smp session: one left open by an earlier in-process test
-    would make `smp.init` of the same config a no-op (its checks skipped) and route saves through
-    that session. Closed here, with a warning naming the test that finds it."""
+def _no_state_from_an_earlier_test(monkeypatch):
+    """Each test starts without an smp session and with an empty process scope: a session left
+    open by an earlier in-process test would make `smp.init` of the same config a no-op (its
+    checks skipped), and what a save or load outside any session keeps in the process scope
+    (the checkpoint run id it made or took over) belongs to that test's run, not the next one's."""
     import warnings
 
     import smp
+    from smp import scope
 
     if smp.is_initialized():
         warnings.warn("an smp session was left open by an earlier test; closed before this one")
         smp.shutdown()
+    monkeypatch.setattr(scope, "_PROCESS", scope.Scope("process"))
     yield
