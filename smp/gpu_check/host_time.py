@@ -98,20 +98,14 @@ def _phase_figures(result: StepResult, label: str, got: dict[str, float], base: 
 
 def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepResult:
     work = wl.WORKLOADS[size]
-    plain = wl.build_model(work, device)
-    params = sum(p.numel() for p in plain.parameters())
-    cfg = plain.config
-    shortfall = wl.memory_shortfall(
-        wl.bytes_needed(params, work, 2, cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size), device)
+    plain, params, shortfall = wl.build_if_it_fits(work, device)
     if shortfall:
-        del plain
-        torch.cuda.empty_cache()
         return skipped(NAME, TITLE, shortfall)
     result = StepResult(NAME, TITLE, notes=[
         f"{work.shape}: {params / 1e9:.2f}B parameters, batch {work.batch} x seq {work.seq}, bf16 autocast, AdamW",
         "host time: time.thread_time of the launching thread per phase, median of alternating rounds",
     ])
-    ids = wl.batch(work, cfg.vocab_size, device)
+    ids = wl.batch(work, plain.config.vocab_size, device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
     try:
         with smp.session(BASE_CONFIG, backend="nccl"):

@@ -70,14 +70,8 @@ def _alternate(smp_run, plain_run, steps: int) -> tuple[float, float]:
 
 def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepResult:
     work = wl.WORKLOADS[size]
-    plain = wl.build_model(work, device)
-    cfg = plain.config
-    params = sum(p.numel() for p in plain.parameters())
-    shortfall = wl.memory_shortfall(
-        wl.bytes_needed(params, work, 2, cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size), device)
+    plain, params, shortfall = wl.build_if_it_fits(work, device)
     if shortfall:
-        del plain
-        torch.cuda.empty_cache()
         return skipped(NAME, TITLE, shortfall)
     flops_per_token = metrics.model_flops(plain).per_token(work.seq)
     peak = metrics.peak_flops(metrics.device_name(device))
@@ -88,7 +82,7 @@ def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepRes
         "device not in smp.metrics.PEAK_FLOPS: MFU left blank",
         f"{steps} timed steps per setting after {WARMUP} warm-up steps",
     ])
-    ids = wl.batch(work, cfg.vocab_size, device)
+    ids = wl.batch(work, plain.config.vocab_size, device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
     _timed_steps(plain, plain_opt, ids, WARMUP)
     # The compiled baseline: the same weights, each decoder layer compiled, as the user's own loop

@@ -69,3 +69,18 @@ def memory_shortfall(needed: int, device: torch.device) -> str | None:
         return (f"too little GPU memory: needs ~{needed / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free of "
                 f"{total / 2**30:.0f} GiB; run with --size tiny")
     return None
+
+
+def build_if_it_fits(workload: Workload, device: torch.device) -> tuple[torch.nn.Module | None, int, str | None]:
+    """The plain model of `workload`, its parameter count and None; or (None, its parameter
+    count, why) when the device lacks the memory a step of two such models needs."""
+    model = build_model(workload, device)
+    params = sum(p.numel() for p in model.parameters())
+    cfg = model.config
+    shortfall = memory_shortfall(
+        bytes_needed(params, workload, 2, cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size), device)
+    if shortfall:
+        del model
+        torch.cuda.empty_cache()
+        return None, params, shortfall
+    return model, params, None
