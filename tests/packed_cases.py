@@ -1,6 +1,7 @@
 """Packed-sequence cases (several documents back to back in one row, position ids restarting at
 each, no padding: TRL's packing, `DataCollatorWithFlattening`) that run on every rank of a
-RankPool; each returns plain data.
+RankPool (FSDP, TP + SP, context parallel, pipeline parallel and its compositions); each returns
+plain data.
 
 The reference is one process running the whole packed batch through transformers' own model with
 no attention mask and `use_cache=False` (transformers then reads the documents from
@@ -22,6 +23,7 @@ from torch import nn
 import smp
 import smp.context_parallel as cp
 from smp.context_parallel import sharding, ulysses
+from smp.pipeline import schedule
 from smp.testing.distributed import full_tensor, local_rows, world_mean
 from tests.context_parallel_cases import VOCAB, UserBlock, UserModel, build
 
@@ -231,15 +233,39 @@ def shard_error(config: dict, padded: bool = True, jump: bool = False) -> str:
         return ""
 
 
-def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = False) -> dict:
+@contextlib.contextmanager
+def _positions_not_sent(broken: bool) -> Iterator[None]:
+    """Negative control for pipeline parallelism: the stages are not handed the batch's
+    position_ids (each numbers its tokens 0, 1, 2, ... over the whole row)."""
+    if not broken:
+        yield
+        return
+    saved = schedule.pipeline_batch
+
+    def without_positions(batch, caller):
+        return saved({k: v for k, v in batch.items() if k != "position_ids"}, caller)
+    schedule.pipeline_batch = without_positions
+    try:
+        yield
+    finally:
+        schedule.pipeline_batch = saved
+
+
+def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = False, labels: bool = True,
+                     broken: str | None = None) -> dict:
     """smp.step (the one training step for every layout, pipeline included) on the packed batch
     vs one process: loss and every gradient over `steps` SGD steps. `use_cache` None: the batch
-    does not say (the model's config then builds a cache in train mode)."""
+    does not say (the model's config then builds a cache in train mode). `labels` False: the
+    batch carries none (both sides then train on input_ids, a document's last token predicting
+    the next one's first). `broken` "positions_not_sent": a pipeline's stages never see the
+    positions (negative control)."""
     with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         reference = _build("llama")
         model = copy.deepcopy(reference)
         batch = packed_batch()
+        if not labels:
+            batch["labels"] = batch["input_ids"]
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         ref_losses, ref_grads = [], []
         for _ in range(steps):
@@ -251,28 +277,38 @@ def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = Fals
             ref_opt.zero_grad()
         model = smp.transform(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        rows = {name: local_rows(t) for name, t in batch.items()}
+        rows = {name: local_rows(t) for name, t in batch.items() if labels or name != "labels"}
         if use_cache is not None:
             rows["use_cache"] = use_cache
-        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses}
-        for step in range(steps):
-            loss = smp.step(model, rows)
-            report["loss_diff"] = max(report["loss_diff"], abs(float(loss) - ref_losses[step]))
-            grads = {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-            report["grad_diff"] = max(report["grad_diff"], max(
-                float((g - ref_grads[step][n]).abs().max()) for n, g in grads.items()))
-            report["grads"] = len(grads)
-            opt.step()
-            opt.zero_grad()
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses, "all_grads": sorted(ref_grads[0])}
+        with _positions_not_sent(broken == "positions_not_sent"):
+            for step in range(steps):
+                loss = smp.step(model, rows)
+                report["loss_diff"] = max(report["loss_diff"], abs(float(loss) - ref_losses[step]))
+                grads = {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+                report["grad_diff"] = max(report["grad_diff"], max(
+                    float((g - ref_grads[step][n]).abs().max()) for n, g in grads.items()))
+                report["grads"] = sorted(grads)
+                opt.step()
+                opt.zero_grad()
         return report
 
 
-def step_error(config: dict) -> str:
-    """The error smp.step raises for the packed batch ('' if none)."""
+def step_error(config: dict, padded: bool = False, jump: bool = False) -> str:
+    """The error smp.step raises for the packed batch ('' if none); `padded`: with an attention
+    mask, `jump`: a position jumping up inside a row."""
     with smp.session(config):
         model = smp.transform(_build("llama"))
+        batch = packed_batch()
+        if padded:
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+            batch["attention_mask"][:, -2:] = 0
+            batch["labels"] = batch["labels"].masked_fill(batch["attention_mask"] == 0, -100)
+        if jump:
+            batch["position_ids"] = batch["position_ids"].clone()
+            batch["position_ids"][:, 3] += 5
         try:
-            smp.step(model, {name: local_rows(t) for name, t in packed_batch().items()})
+            smp.step(model, {name: local_rows(t) for name, t in batch.items()})
         except smp.Error as e:
             return f"{type(e).__name__}: {e}"
         return ""

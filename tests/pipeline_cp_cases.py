@@ -18,8 +18,8 @@ def _local_positions(rows_for_cp_rank):
     """Negative control: the chunks' positions counted from 0 on each rank (what a stage computes
     from its inputs when it is not told where its chunk sits)."""
 
-    def broken(input_ids, labels, mask, setup):
-        ids, targets, inputs = rows_for_cp_rank(input_ids, labels, mask, setup)
+    def broken(input_ids, labels, mask, positions, setup):
+        ids, targets, inputs = rows_for_cp_rank(input_ids, labels, mask, positions, setup)
         inputs["position_ids"] = torch.arange(ids.shape[1]).expand(ids.shape[0], -1).contiguous()
         return ids, targets, inputs
 
@@ -29,8 +29,8 @@ def _local_positions(rows_for_cp_rank):
 def _shift_inside_chunks(rows_for_cp_rank):
     """Negative control: labels shifted inside this rank's chunks, not over the whole row."""
 
-    def broken(input_ids, labels, mask, setup):
-        ids, _, inputs = rows_for_cp_rank(input_ids, labels, mask, setup)
+    def broken(input_ids, labels, mask, positions, setup):
+        ids, _, inputs = rows_for_cp_rank(input_ids, labels, mask, positions, setup)
         chunk = labels.index_select(1, inputs["position_ids"][0])
         return ids, torch.cat([chunk[:, 1:], torch.full_like(chunk[:, :1], IGNORE)], dim=1), inputs
 

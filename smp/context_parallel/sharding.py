@@ -69,7 +69,8 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def check_packed(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+def check_packed(position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 caller: str = "context parallel shard_batch") -> bool:
     """Whether rows are packed (several documents each); raises UsageError for what smp cannot
     split exactly: a position jumping up inside a row (document keys could repeat), or packed
     rows with an attention mask (transformers then ignores the documents' boundaries)."""
@@ -80,13 +81,13 @@ def check_packed(position_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if bool(jumps.any()):
         row, col = (int(i) for i in jumps.nonzero()[0])
         raise UsageError(
-            f"context parallel shard_batch: position_ids of row {row} jump from "
+            f"{caller}: position_ids of row {row} jump from "
             f"{int(position_ids[row, col])} to {int(position_ids[row, col + 1])}; packed rows must "
             f"restart each document's positions at 0 (as DataCollatorWithFlattening does)"
         )
     if attention_mask is not None:
         raise UsageError(
-            "context parallel shard_batch: the batch has packed rows (position_ids restart inside a "
+            f"{caller}: the batch has packed rows (position_ids restart inside a "
             "row) and an attention_mask; with a mask transformers attends across the documents' "
             "boundaries, so one process and smp would differ: drop attention_mask (pack without "
             "padding, as DataCollatorWithFlattening does, or make the padding a document of its own "

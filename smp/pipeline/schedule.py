@@ -23,7 +23,9 @@ from torch.distributed.pipelining import (
 from smp.composition import row
 from smp.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineConfig, check_pipeline
 from smp.context_parallel.attention import ContextParallelSetup, active as active_context_parallel
-from smp.context_parallel.sharding import check_sequence_length, chunk_positions, shift_labels
+from smp.context_parallel.sharding import (
+    check_packed, check_sequence_length, chunk_positions, document_starts, shift_labels,
+)
 from smp.errors import ConfigError, UsageError
 from smp.pipeline.split import StageInfo, build_stage_module, check_layer_chain, find_parts, plan_split, stage_indices
 from smp.pipeline.tied import TiedGroup, copy_tied_values, norm_skip, plan_ties, set_aside, sum_tied_grads, tied_names
@@ -187,7 +189,14 @@ class PipelinedModel(nn.Module):
 
         A batch whose rows do not split into the micro-batches is padded with rows whose
         labels are all ignored (they add nothing to the loss or the gradients)."""
-        input_ids, labels, mask = pipeline_batch(batch, caller)
+        input_ids, labels, mask, positions = pipeline_batch(batch, caller)
+        if positions is not None and not all(stage._smp_stage[1].hf for stage in self.stages):
+            raise UsageError(
+                f"{caller}: position_ids other than 0, 1, 2, ... along each row are built for transformers causal "
+                f"LMs under pipeline parallelism (each stage hands them to the model's own forward); a plain "
+                f"nn.Module's stages take only the hidden state, so they would number the tokens from 0. Leave "
+                f"position_ids out, or set pipeline_parallel_degree: 1"
+            )
         pp = dist.get_world_size(self.pp_group)
         microbatches = self.pipe.microbatches or pp * len(self.stages)
         rows = input_ids.shape[0]
@@ -203,6 +212,8 @@ class PipelinedModel(nn.Module):
         except ValueError as e:
             raise ConfigError(str(e)) from None
         cp = _context_parallel(self, loss_fn, input_ids.shape[1], caller)  # refusals, before any collective
+        if cp is not None and positions is not None:  # smp's attention keys documents by index - position:
+            check_packed(positions, mask, f"{caller} (context parallel)")  # a jump up could repeat a key
         cp_size = 1 if cp is None else cp.size
         dp = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
         if loss_fn is None:
@@ -216,14 +227,20 @@ class PipelinedModel(nn.Module):
         else:  # the mean of loss_fn's micro-batch values (the batch mean when they weigh the same)
             micro_loss = MicroBatchLoss(scale / microbatches, loss_fn=loss_fn)
         input_ids, labels, mask = _pad_rows(input_ids, labels, mask, padded_rows)
+        positions = _pad_positions(positions, padded_rows)
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+        positions = None if positions is None else positions.to(self.device)
+        # The schedule hands keyword inputs to every stage, split into micro-batches like the ids.
         stage_inputs: dict[str, torch.Tensor] = {}
         if cp is not None:
-            # Each row cut once for this cp rank; every stage gets the chunks' global positions and
-            # key padding mask (the schedule hands keyword inputs to every stage, split into
-            # micro-batches like the ids).
+            # Each row cut once for this cp rank; every stage gets the chunks' positions (global,
+            # or the packed documents' own) and key padding mask.
             mask = None if mask is None else mask.to(self.device)
-            input_ids, labels, stage_inputs = _rows_for_cp_rank(input_ids, labels, mask, cp)
+            input_ids, labels, stage_inputs = _rows_for_cp_rank(input_ids, labels, mask, positions, cp)
+        elif positions is not None:
+            # Packed rows: every stage gets the positions, from which transformers builds the
+            # document-aware causal mask (no attention mask, no cache), as the whole model does.
+            stage_inputs = {"position_ids": positions}
         losses: list[torch.Tensor] = []
         # torch's stages size their receive buffers on their first step: one schedule per shape.
         shape = (microbatches, *input_ids.shape)
@@ -373,10 +390,14 @@ def _check_pipelined(model: nn.Module, caller: str, elsewhere: str = "") -> None
 PIPELINE_INPUTS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
-def pipeline_batch(batch: Mapping[str, Any], caller: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The ids, the labels (input_ids when none are given; padding made -100) and the right
-    padding mask of a batch a pipelined model can run exactly, after the checks that run before
-    any collective."""
+def pipeline_batch(batch: Mapping[str, Any], caller: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The ids, the labels (input_ids when none are given; padding made -100), the right padding
+    mask and the position ids (None when absent or 0, 1, 2, ... along each row; else [batch, seq])
+    of a batch a pipelined model can run exactly, after the checks that run before any
+    collective. Labels are used as given: like the whole model, the pipeline lets the last token
+    of a packed document predict the next document's first token unless its label is -100 (as
+    DataCollatorWithFlattening writes it)."""
     unknown = sorted(k for k, v in batch.items() if k not in PIPELINE_INPUTS and v is not None)
     if unknown:
         raise UsageError(
@@ -386,13 +407,7 @@ def pipeline_batch(batch: Mapping[str, Any], caller: str) -> tuple[torch.Tensor,
     input_ids, labels, attention_mask = batch.get("input_ids"), batch.get("labels"), batch.get("attention_mask")
     if not isinstance(input_ids, torch.Tensor):
         raise UsageError(f"{caller}: the batch needs input_ids, a [batch, seq] tensor of token ids")
-    positions = batch.get("position_ids")
-    counting = None if positions is None else torch.arange(positions.shape[-1], device=positions.device)
-    if positions is not None and not torch.equal(positions, counting.expand_as(positions)):
-        raise UsageError(
-            f"{caller}: position_ids other than 0, 1, 2, ... along each row (packed sequences) are not built for a "
-            f"pipelined model: its stages number the tokens of each row from 0; leave position_ids out"
-        )
+    positions = _positions(batch.get("position_ids"), input_ids, attention_mask, caller)
     labels = input_ids if labels is None and attention_mask is None else labels
     if attention_mask is not None:
         labels = _padding_ignored(input_ids, labels, attention_mask, caller)
@@ -401,7 +416,39 @@ def pipeline_batch(batch: Mapping[str, Any], caller: str) -> tuple[torch.Tensor,
             f"{caller} takes input_ids and labels of one shape [batch, seq]; got "
             f"{tuple(input_ids.shape)} and {tuple(labels.shape)}"
         )
-    return input_ids, labels, attention_mask
+    return input_ids, labels, attention_mask, positions
+
+
+def _positions(positions: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               caller: str) -> torch.Tensor | None:
+    """The batch's position ids as every stage takes them ([batch, seq]), or None when the
+    stages may count them (absent, or 0, 1, 2, ... along each row)."""
+    if positions is None:
+        return None
+    if not isinstance(positions, torch.Tensor) or positions.dim() > 2 or input_ids.dim() != 2:
+        raise UsageError(
+            f"{caller}: a pipelined model takes position_ids of shape [batch, seq] (or [seq]) beside input_ids "
+            f"[batch, seq]; got {getattr(positions, 'shape', type(positions).__name__)}"
+        )
+    try:
+        positions = positions.expand_as(input_ids)
+    except RuntimeError:
+        raise UsageError(
+            f"{caller}: position_ids {tuple(positions.shape)} do not match input_ids {tuple(input_ids.shape)}"
+        ) from None
+    counting = torch.arange(positions.shape[-1], device=positions.device)
+    if torch.equal(positions, counting.expand_as(positions)):
+        return None
+    if attention_mask is not None and bool(document_starts(positions).any()):
+        # The stages run without the mask (right padding is exact without it); with a mask the
+        # whole model ignores the documents' boundaries, without one transformers honours them.
+        raise UsageError(
+            f"{caller}: the batch has packed rows (position_ids restart inside a row) and an attention_mask; with "
+            f"a mask transformers attends across the documents' boundaries, which a pipeline's stages (run "
+            f"without the mask) would not: drop attention_mask (pack without padding, as "
+            f"DataCollatorWithFlattening does, or make the padding a document of its own with labels -100)"
+        )
+    return positions.contiguous()
 
 
 def _pad_rows(input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None,
@@ -416,6 +463,14 @@ def _pad_rows(input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor 
     if mask is not None:
         mask = torch.cat([mask, mask.new_ones(extra, mask.shape[1])])
     return input_ids, labels, mask
+
+
+def _pad_positions(positions: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """`positions` with the rows `_pad_rows` appends, each counting 0, 1, 2, ..."""
+    if positions is None or positions.shape[0] == rows:
+        return positions
+    counting = torch.arange(positions.shape[1], device=positions.device, dtype=positions.dtype)
+    return torch.cat([positions, counting.expand(rows - positions.shape[0], -1)])
 
 
 def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: int,
@@ -449,18 +504,21 @@ def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: 
 
 
 def _rows_for_cp_rank(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None,
-                      setup: ContextParallelSetup) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                      positions: torch.Tensor | None, setup: ContextParallelSetup
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """This cp rank's chunks of whole rows (smp's context parallel layout): the token ids, the
     targets shifted over the whole row before the cut (the last token of a chunk predicts the
-    first of the next), and every stage's inputs: the tokens' global positions and their padding
-    mask (all ones without one: transformers reads position ids without a mask as packed
-    sequences wherever they jump, as a chunk's do)."""
+    first of the next), and every stage's inputs: the tokens' positions (global, or the packed
+    documents' own: smp's attention reads the documents from them and the chunks' place) and
+    their padding mask (all ones without one: transformers reads position ids without a mask as
+    packed sequences wherever they jump, as a chunk's do)."""
     index = chunk_positions(input_ids.shape[1], setup.size, setup.rank, setup.load_balance, device=input_ids.device)
     targets = shift_labels(labels, IGNORE_INDEX).index_select(1, index)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    chunk = index.expand(input_ids.shape[0], -1) if positions is None else positions.index_select(1, index)
     stage_inputs = {
-        "position_ids": index.expand(input_ids.shape[0], -1).contiguous(),
+        "position_ids": chunk.contiguous(),
         "attention_mask": attention_mask.index_select(1, index),
     }
     return input_ids.index_select(1, index), targets, stage_inputs

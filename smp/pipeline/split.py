@@ -286,9 +286,9 @@ def _hf_stage_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tens
                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One stage of a transformers causal LM: token ids in on the first stage, hidden states in
     on the others; logits out of the last, hidden states out of the others. `position_ids` and
-    `attention_mask` (context parallel: the global positions and key padding of this rank's
-    chunks of each row) are given to every stage alike; None lets the model count positions over
-    its input."""
+    `attention_mask` (packed rows: the documents' positions, from which transformers builds the
+    per-document mask; context parallel: the positions and key padding of this rank's chunks of
+    each row) are given to every stage alike; None lets the model count positions over its input."""
     stage, parts = self._smp_stage
     inputs = {"input_ids": x} if stage.first else {"inputs_embeds": x}
     for key, value in (("position_ids", position_ids), ("attention_mask", attention_mask)):
