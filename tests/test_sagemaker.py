@@ -298,21 +298,30 @@ def test_fsdp1_patch_lives_with_the_session(clean_env):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.optimizer as dcp_optimizer
 
     torch_methods = {n: FSDP.__dict__[n] for n in ("__init__", "state_dict_type", "optim_state_dict")}
     torch_dcp = {n: getattr(dcp, n) for n in ("save_state_dict", "load_state_dict")}
+    # what torch's load_sharded_optimizer_state_dict calls to find and cut over its group
+    loader_group = {n: getattr(dcp_optimizer, n) for n in ("_get_state_dict_2d_layout", "_create_chunk_sharded_tensor")}
     tsm.init({"sm_activation_offloading": False})
     try:
         assert all(FSDP.__dict__[n] is not m for n, m in torch_methods.items())
         assert all(getattr(dcp, n) is not f for n, f in torch_dcp.items())
+        assert all(getattr(dcp_optimizer, n) is not f for n, f in loader_group.items())
     finally:
         smp.shutdown()
     assert all(FSDP.__dict__[n] is m for n, m in torch_methods.items())
     assert all(getattr(dcp, n) is f for n, f in torch_dcp.items())
-    code = ("import smp, smp.sagemaker; from torch.distributed.fsdp import FullyShardedDataParallel as F; "
-            "print(F.__init__.__module__, F.__dict__['optim_state_dict'].__func__.__module__)")
+    assert all(getattr(dcp_optimizer, n) is f for n, f in loader_group.items())
+    code = ("import torch.distributed.checkpoint.optimizer as o; "
+            "names = ('_get_state_dict_2d_layout', '_create_chunk_sharded_tensor'); "
+            "before = [getattr(o, n) for n in names]; "
+            "import smp, smp.sagemaker; from torch.distributed.fsdp import FullyShardedDataParallel as F; "
+            "print(F.__init__.__module__, F.__dict__['optim_state_dict'].__func__.__module__, "
+            "[getattr(o, n) for n in names] == before)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["torch.distributed.fsdp.fully_sharded_data_parallel"] * 2
+    assert out == ["torch.distributed.fsdp.fully_sharded_data_parallel"] * 2 + ["True"]
 
 
 def test_session_ends_after_the_script_destroyed_its_process_group(tmp_path):

@@ -63,6 +63,7 @@ from smp._compat.torch import (  # noqa: F401
     set_element,
     checkpoint_wrapper_module,
     sharded_tensor_type,
+    patch_optimizer_loader_group,
     TorchDispatchMode,
 )
 from smp._compat.transformers import (  # noqa: F401

@@ -442,3 +442,56 @@ def sharded_tensor_type() -> type:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     return ShardedTensor
+
+
+
+def patch_optimizer_loader_group(find_group: Callable[[Any], Any]) -> Callable[[], None]:
+    """Let torch's `load_sharded_optimizer_state_dict` (torch.distributed.checkpoint.optimizer)
+    cut the optimizer state over `find_group(model_state_dict)` instead of the whole world;
+    returns the undo.
+
+    The loader looks for a group with the private `_get_state_dict_2d_layout(model_state_dict)`,
+    which recognises only FSDP1's 2-D layout (ShardedTensors nested in ShardedTensors; its
+    group path also fails on torch 2.13 for a group that is not ranks 0..n-1: the specs name
+    group ranks where ShardedTensor checks global ones). For any other state dict it cuts every
+    tensor in row chunks over the world with the private `_create_chunk_sharded_tensor(tensor,
+    rank=, world_size=, num_devices_per_node=, pg=)`, each rank reading its chunk through its
+    own storage reader. Patched here: where torch finds no group and `find_group` answers one,
+    those chunks are cut over that group (its rank, size and group: the call FSDP1 itself makes
+    for a sub-group). Both names checked on torch 2.13.0 (the loader has made these calls since
+    2.1; it takes no process_group argument, so torch has no public way). Where either name is
+    missing nothing is patched and the undo does nothing."""
+    import functools
+
+    module = importlib.import_module("torch.distributed.checkpoint.optimizer")
+    layout0 = getattr(module, "_get_state_dict_2d_layout", None)
+    chunk0 = getattr(module, "_create_chunk_sharded_tensor", None)
+    if layout0 is None or chunk0 is None:
+        return lambda: None
+    chosen: list[Any] = [None]  # the group find_group chose for the loader call running now
+
+    @functools.wraps(layout0)
+    def layout(state_dict: Any) -> Any:
+        specs, group = layout0(state_dict)
+        chosen[0] = find_group(state_dict) if group is None else None
+        return specs, group
+
+    @functools.wraps(chunk0)
+    def chunk(tensor: torch.Tensor, rank: int, world_size: int, num_devices_per_node: int, pg: Any,
+              device: Any = None) -> Any:
+        group = chosen[0]
+        if group is not None:
+            rank, world_size, pg = dist.get_rank(group), dist.get_world_size(group), group
+        return chunk0(tensor, rank=rank, world_size=world_size, num_devices_per_node=num_devices_per_node,
+                      pg=pg, device=device)
+
+    module._get_state_dict_2d_layout = layout
+    module._create_chunk_sharded_tensor = chunk
+
+    def undo() -> None:
+        if module._get_state_dict_2d_layout is layout:
+            module._get_state_dict_2d_layout = layout0
+        if module._create_chunk_sharded_tensor is chunk:
+            module._create_chunk_sharded_tensor = chunk0
+
+    return undo

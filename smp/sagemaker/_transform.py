@@ -17,7 +17,7 @@ import smp
 from smp.config import ConfigError
 from smp.context_parallel.hf import accept_precut_inputs
 from smp.sagemaker._guide import MigrationError, not_supported, section
-from smp.sagemaker.fsdp1 import adopt
+from smp.sagemaker.fsdp1 import adopt, shard_mesh
 from smp.sharding import has_meta_tensors
 from smp.transform import transform as smp_transform
 
@@ -65,15 +65,9 @@ def transform(
     # chunks i and 2cp-1-i): smp completes positions and label shift from that layout.
     accept_precut_inputs(model)
     # What FSDP1 kept on the wrapped model (state_dict_type, optim_state_dict, process_group).
-    shard_mesh = _shard_mesh(st)
-    adopt(model, shard_mesh.get_group(), shard_mesh)
+    mesh = shard_mesh(st)
+    adopt(model, mesh.get_group(), mesh)
     return model
-
-
-def _shard_mesh(st: Any) -> Any:
-    """The mesh axis of FSDP1's `process_group`: the ranks that shard the parameters together (one
-    replica, one tensor-parallel rank); with context parallel FSDP shards over dp_shard x cp."""
-    return st.mesh["dp_shard_cp" if st.cp_size > 1 else "dp_shard"]
 
 
 def _check_transform_config(config: Any, smp_config: Any) -> None:

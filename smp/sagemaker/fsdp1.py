@@ -12,7 +12,8 @@
   `FSDP.optim_state_dict_to_load(model, optimizer, osd)` loads it into the optimizer and returns
   the optimizer's state dict (so the script's `optimizer.load_state_dict(...)` changes nothing);
   it also takes what torch's `load_sharded_optimizer_state_dict` returns (FSDP1 ShardedTensors,
-  made whole: exact under data parallelism, refused under TP / EP / PP).
+  made whole: exact under data parallelism; under TP each TP rank's slices, read over
+  `model.process_group` from its per-TP-rank folder; refused under EP / PP).
 - `FullyShardedDataParallel(model, ...)` of such a model raises MigrationError (delete the wrap).
 - `offload_wrapper(model)` returns the model: smp's transform already offloads its activations
   (SMP v2 too answered this call with its own offloading).
@@ -21,7 +22,12 @@
 
 Any other module goes to FSDP1 (and torch's offload_wrapper) unchanged. The patch of FSDP1's class is installed by
 `smp.sagemaker.init` and removed when that session shuts down: a script that never imports
-smp.sagemaker, or runs after the session, sees FSDP1 as torch ships it.
+smp.sagemaker, or runs after the session, sees FSDP1 as torch ships it. So is the one of
+`load_sharded_optimizer_state_dict`'s group (through smp._compat): torch finds the group to
+chunk the optimizer state over only in FSDP1's 2-D layout; for per-TP-rank slices the session
+answers `model.process_group`, the ranks that read one per-TP-rank folder, and the state is cut
+over it (else torch cuts each tensor over the whole world and each rank reads its chunk from its
+own TP rank's folder, so parts of every slice would be read by no rank).
 """
 
 from __future__ import annotations
@@ -40,9 +46,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, StateDictType
 from torch.distributed.tensor import DTensor
 
-from smp._compat import checkpoint_wrapper_module, sharded_tensor_type
+from smp._compat import checkpoint_wrapper_module, patch_optimizer_loader_group, sharded_tensor_type
 from smp.sagemaker._guide import MigrationError, not_supported, section
-from smp.sagemaker.tp_slices import from_slice, state_to_slices, to_slice
+from smp.sagemaker.tp_slices import from_slice, local_part, slice_shape, state_to_slices, to_slice
 
 _VIEW = "_smp_fsdp1_view"  # the attribute transform sets on the models this module answers for
 
@@ -65,6 +71,12 @@ def adopt(model: nn.Module, process_group: dist.ProcessGroup | None, shard_mesh:
     setattr(model, _VIEW, Fsdp1View(process_group=process_group, shard_mesh=shard_mesh))
     model.process_group = process_group
     model.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+
+
+def shard_mesh(st: Any) -> Any:
+    """The mesh axis of FSDP1's `process_group`: the ranks that shard the parameters together (one
+    replica, one tensor-parallel rank); with context parallel FSDP shards over dp_shard x cp."""
+    return st.mesh["dp_shard_cp" if st.cp_size > 1 else "dp_shard"]
 
 
 def _view(module: Any) -> Fsdp1View | None:
@@ -168,7 +180,9 @@ def _optim_state_dict_to_load(original: Any, model: nn.Module, optim: Any, optim
     if view is None:
         return original(model, optim, optim_state_dict, is_named_optimizer, load_directly, group)
     options = _options(view)
-    if _holds_sharded_tensors(optim_state_dict):
+    if _holds_sharded_tensors(optim_state_dict) and not view.full and _per_tp_rank(view):
+        optim_state_dict = _slices_from_sharded_tensors(model, optim_state_dict, view)
+    elif _holds_sharded_tensors(optim_state_dict):
         optim_state_dict = _whole_from_sharded_tensors(optim_state_dict)
         options = StateDictOptions(full_state_dict=True, cpu_offload=view.offload_to_cpu)
     elif not view.full and _per_tp_rank(view):
@@ -226,43 +240,111 @@ def _whole_from_sharded_tensors(osd: dict[str, Any]) -> dict[str, Any]:
     own checkpoint folder) as whole tensors on every rank (collective: every rank calls it).
 
     Exact when every rank's folder holds every tensor whole: a checkpoint saved by the data-
-    parallel ranks of one replica. Under tensor or expert parallelism SMP v2 scripts save one
-    folder per TP / EP rank holding only that rank's slices, so the chunk a rank reads from its
-    folder lacks the other slices (and under pipelining the stages hold different tensors):
-    refused, naming the load that works."""
+    parallel ranks of one replica. Under tensor parallelism the sharded block's load is
+    `_slices_from_sharded_tensors`; outside it, and under expert parallelism (one folder per EP
+    rank) or pipelining (the stages hold different tensors), refused, naming the load that works."""
     import smp
 
     st = smp.state
-    if st.tp_size > 1 or st.ep_size > 1 or st.pp_size > 1:
+    _refuse_sharded_optimizer_across_ranks(st)
+    if st.tp_size > 1:
         raise MigrationError(
             "FSDP.optim_state_dict_to_load(model, optimizer, osd) with the ShardedTensors of "
             "torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict under "
-            f"tensor_parallel_degree {st.tp_size} / expert_parallel_degree {st.ep_size} / "
-            f"pipeline_parallel_degree {st.pp_size}: that loader cuts each tensor in row chunks "
-            "over all ranks and reads each rank's chunk from its own per-TP/EP-rank folder, which "
-            "holds only that rank's slice (under pipelining, the ranks hold different tensors), "
-            "so parts of the state would be read by no rank. Load the optimizer with the model instead: "
+            f"tensor_parallel_degree {st.tp_size}, outside FSDP.state_dict_type(model, "
+            "SHARDED_STATE_DICT): each per-TP-rank folder holds that TP rank's slices, which only "
+            "the sharded state dict describes. Call model.state_dict(), "
+            "load_sharded_optimizer_state_dict(model_state_dict=...) and "
+            f"FSDP.optim_state_dict_to_load inside that block (see {section('checkpoints')})"
+        )
+    return {**osd, "state": _each_whole(osd, st.device, None, lambda name, key, value: value)}
+
+
+def _refuse_sharded_optimizer_across_ranks(st: Any) -> None:
+    """Per-EP-rank folders and pipeline stages: torch's loader would read parts of the state from
+    no folder (refused, naming the load that works)."""
+    if st.ep_size > 1 or st.pp_size > 1:
+        raise MigrationError(
+            "FSDP.optim_state_dict_to_load(model, optimizer, osd) with the ShardedTensors of "
+            "torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict under "
+            f"expert_parallel_degree {st.ep_size} / pipeline_parallel_degree {st.pp_size}: that "
+            "loader cuts each tensor in row chunks over the ranks and reads each rank's chunk from "
+            "its own per-EP-rank folder, which holds only that rank's experts (under pipelining, "
+            "the ranks hold different tensors), so parts of the state would be read by no rank. "
+            "Load the optimizer with the model instead: "
             "state = {'optimizer': FSDP.optim_state_dict(model, optimizer), ...}; "
             "state_dict_loader.load(state, ...) (or torch.distributed.checkpoint.load); "
             "FSDP.optim_state_dict_to_load(model, optimizer, state['optimizer']) "
             f"(see {section('checkpoints')})"
         )
+
+
+def _each_whole(osd: dict[str, Any], device: torch.device, group: Any, place: Any) -> dict[str, Any]:
+    """The optimizer state with each ShardedTensor made whole over `group` (None: all ranks) and
+    every value passed through `place(name, key, value)`. Names and keys in sorted order, the
+    same on every rank: one all_reduce per tensor."""
     sharded = sharded_tensor_type()
-    whole_state: dict[str, Any] = {}
-    for name in sorted(osd["state"]):  # the same order on every rank: one all_reduce per tensor
-        whole_state[name] = {}
+    state: dict[str, Any] = {}
+    for name in sorted(osd["state"]):
+        state[name] = {}
         for key in sorted(osd["state"][name]):
             value = osd["state"][name][key]
             if isinstance(value, sharded):
-                value = _whole(value, st.device)
-            whole_state[name][key] = value
-    return {**osd, "state": whole_state}
+                value = _whole(value, device, group)
+            state[name][key] = place(name, key, value)
+    return state
 
 
-def _whole(t: Any, device: torch.device) -> torch.Tensor:
-    """A ShardedTensor's whole tensor: each rank writes its chunks into zeros, a sum over all
-    ranks fills the rest (the chunks do not overlap, and x + 0 is x: exact)."""
+def _slices_from_sharded_tensors(model: nn.Module, osd: dict[str, Any], view: Fsdp1View) -> dict[str, Any]:
+    """Under tensor parallelism: the optimizer state of torch's `load_sharded_optimizer_state_dict`
+    on each parameter's layout. Each rank of `model.process_group` read its row chunk of its TP
+    rank's slices from that TP rank's folder (the session gave the loader that group: see the
+    module's docstring); a sum over the group makes each slice whole (exact), and each rank keeps
+    its part of it, as the parameter holds its own (collective over model.process_group)."""
+    import smp
+
+    st = smp.state
+    _refuse_sharded_optimizer_across_ranks(st)
+    params = _sharded_parameters(model)
+
+    def place(name: str, key: str, value: Any) -> Any:
+        p = params.get(name)
+        if not (isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0):
+            return value  # (a step count)
+        return local_part(value, p, view.shard_mesh)
+
+    return {**osd, "state": _each_whole(osd, st.device, view.process_group, place)}
+
+
+def _slice_group(model_state_dict: Any) -> Any:
+    """For torch's `load_sharded_optimizer_state_dict` (see the module's docstring): the group to
+    chunk the optimizer state over when `model_state_dict` holds per-TP-rank slices (the sharded
+    state dict of a model transform sharded, taken under tensor parallelism), else None."""
+    import smp
+
+    if not (isinstance(model_state_dict, dict) and smp.is_initialized() and smp.state.tp_size > 1):
+        return None
+    mesh = shard_mesh(smp.state)
+    tensors = [v for v in model_state_dict.values() if isinstance(v, DTensor)]
+    if not any(t.device_mesh == mesh for t in tensors) or any(slice_shape(t) is not None for t in tensors):
+        return None  # not sliced: torch's answer stands, and optim_state_dict_to_load refuses the result
+    return mesh.get_group()
+
+
+def _whole(t: Any, device: torch.device, group: Any = None) -> torch.Tensor:
+    """A ShardedTensor's whole tensor: each rank writes its chunks into zeros, a sum over the
+    ranks of `group` (None: all) fills the rest (the chunks do not overlap, and x + 0 is x: exact)."""
     meta = t.metadata()
+    members = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    if any(s.placement.rank() not in members for s in meta.shards_metadata):
+        raise MigrationError(
+            f"a ShardedTensor of shape {tuple(meta.size)} from load_sharded_optimizer_state_dict is cut "
+            f"over ranks {sorted(s.placement.rank() for s in meta.shards_metadata)}, not over "
+            f"model.process_group (ranks {list(members)}), whose ranks read one per-TP-rank folder: pass "
+            "load_sharded_optimizer_state_dict the "
+            "model_state_dict taken by model.state_dict() inside FSDP.state_dict_type(model, "
+            f"SHARDED_STATE_DICT) during the smp.sagemaker session (see {section('checkpoints')})"
+        )
     whole = torch.zeros(meta.size, dtype=meta.tensor_properties.dtype, device=device)
     covered = 0
     for shard in t.local_shards():
@@ -272,8 +354,8 @@ def _whole(t: Any, device: torch.device) -> torch.Tensor:
         region.copy_(shard.tensor)
         covered += region.numel()
     counts = torch.tensor([covered], dtype=torch.int64, device=device)
-    dist.all_reduce(whole)
-    dist.all_reduce(counts)
+    dist.all_reduce(whole, group=group)
+    dist.all_reduce(counts, group=group)
     if int(counts) != whole.numel():  # the chunks tile the tensor exactly once
         raise MigrationError(
             f"a ShardedTensor of shape {tuple(meta.size)} from load_sharded_optimizer_state_dict covers "
@@ -319,7 +401,8 @@ def _guarded_init(original: Any, self: Any, module: nn.Module, *args: Any, **kwa
 
 
 class Fsdp1Patch:
-    """FSDP1's class with the replacements above; `remove` puts torch's back."""
+    """FSDP1's class with the replacements above, and the group of torch's sharded optimizer
+    loader; `remove` puts torch's back."""
 
     def __init__(self) -> None:
         cls = FullyShardedDataParallel
@@ -339,8 +422,10 @@ class Fsdp1Patch:
         wrappers = checkpoint_wrapper_module()
         self._offload = wrappers.offload_wrapper
         wrappers.offload_wrapper = functools.partial(_offload_wrapper, self._offload)
+        self._undo_loader_group = patch_optimizer_loader_group(_slice_group)
 
     def remove(self) -> None:
         for name, value in self._saved.items():
             setattr(FullyShardedDataParallel, name, value)
         checkpoint_wrapper_module().offload_wrapper = self._offload
+        self._undo_loader_group()

@@ -12,6 +12,8 @@ data-parallel group, their chunks cover only this TP rank's slice, and DCP refus
 data-parallel axis alone whose global shape is this TP rank's slice, holding the same local tensor
 (no copy; a load into it writes into the parameter). `from_slice` puts a loaded slice back on the
 parameter's own layout. Both are exact: only the description of the local tensor changes.
+`local_part` takes this rank's part of a whole slice (what torch's sharded optimizer loader reads)
+onto the parameter's layout: a local cut, exact.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 TP = "tp"
 
@@ -99,3 +101,14 @@ def state_to_slices(state: Any, shard_mesh: DeviceMesh) -> Any:
     if isinstance(state, list):
         return [state_to_slices(v, shard_mesh) for v in state]
     return to_slice(state, shard_mesh)
+
+
+def local_part(whole_slice: torch.Tensor, like: DTensor, shard_mesh: DeviceMesh) -> DTensor:
+    """`whole_slice` (this TP rank's slice of a tensor laid out as `like`, whole) as `like` holds
+    it: this rank's part (cut locally, no communication) on `like`'s layout."""
+    view = to_slice(like, shard_mesh)
+    if tuple(whole_slice.shape) != tuple(view.shape):
+        raise ValueError(f"a per-TP-rank slice of shape {tuple(whole_slice.shape)} does not fit this TP rank's "
+                         f"slice {tuple(view.shape)} of a parameter of shape {tuple(like.shape)}")
+    part = distribute_tensor(whole_slice, view.device_mesh, view.placements, src_data_rank=None)
+    return from_slice(part, like)

@@ -24,3 +24,16 @@ def refusal(*, mp_parameters: str, argv: list[str]) -> str:
     except Error as e:
         return f"{type(e).__name__}: {e}"
     raise AssertionError("the run was not refused")
+
+
+def refusal_without_loader_group(*, mp_parameters: str, argv: list[str]) -> str:
+    """The run with smp.sagemaker's group for torch's sharded optimizer loader switched off (the
+    negative control of that patch): torch cuts the optimizer state over the whole world."""
+    from smp.sagemaker import fsdp1
+
+    found = fsdp1._slice_group
+    fsdp1._slice_group = lambda model_state_dict: None  # read when tsm.init installs the patch
+    try:
+        return refusal(mp_parameters=mp_parameters, argv=argv)
+    finally:
+        fsdp1._slice_group = found

@@ -8,12 +8,12 @@ sharded state dicts saved into per-TP-rank folders with `process_group=model.pro
 `save_state_dict` (the `sharded` type) or by `async_save` through an `AsyncCallsQueue` (the
 `async_sharded` type), checkpoint rotation with `torch.sagemaker.checkpoint.utils`, loading the
 model with the matching loader and the optimizer with torch's
-`load_sharded_optimizer_state_dict` + `FSDP.optim_state_dict_to_load` (or, under tensor
-parallelism, where smp refuses that loader, together with the model), and a final
-`FULL_STATE_DICT` save that `from_pretrained` loads.
+`load_sharded_optimizer_state_dict` + `FSDP.optim_state_dict_to_load` (or together with the
+model), and a final `FULL_STATE_DICT` save that `from_pretrained` loads.
 
 The one line that makes it an smp script is the first import (torch.sagemaker -> smp.sagemaker).
-tests/test_smp_v2_script.py runs it at world 1, 2 and 4 (TP 2 x dp 2, TP 2 x cp 2).
+tests/test_smp_v2_script.py runs it at world 1, 2, 4 (TP 2 x dp 2, TP 2 x cp 2) and 8
+(TP 2 x cp 2 x dp 2).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer_loader", default="sharded_optimizer",
                    choices=["sharded_optimizer", "with_model", "none"],
                    help="sharded_optimizer: torch's load_sharded_optimizer_state_dict (SMP v2 scripts); "
-                        "with_model: in the model's load (what smp asks for under TP); none: the test's "
-                        "negative control (the optimizer starts empty)")
+                        "with_model: in the model's load; none: the test's negative control (the "
+                        "optimizer starts empty)")
     p.add_argument("--model_dir", default=None)
     return p.parse_args(argv)
 
