@@ -48,7 +48,7 @@ import torch.distributed as dist
 import smp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from smp.checkpointing import digest, inline_digest, safe_read
+from smp.checkpointing.trust import digest, inline_digest, safe_read
 from smp.testing.models import tiny_llama_config
 
 

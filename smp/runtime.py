@@ -289,9 +289,9 @@ def _check_launch_environment() -> None:
 
 
 def _agree_on_run_id() -> None:
-    """Every rank names the same checkpoint run (smp/checkpointing/run.py); a difference is a
+    """Every rank names the same checkpoint run (smp/checkpointing/commit/run.py); a difference is a
     ConfigError on every rank, and the session closes again."""
-    from smp.checkpointing import run  # here: smp.checkpointing reaches smp.runtime
+    from smp.checkpointing.commit import run  # here: smp.checkpointing reaches smp.runtime
 
     try:
         run.agree()

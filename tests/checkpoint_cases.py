@@ -394,7 +394,7 @@ def export_integer_tensors(config: dict, root: str, broken: str | None = None, o
     are not bitwise the trained ones, from_pretrained's loading info, the files and the integer
     values (or load_hf's refusal). `broken` (negative controls): "omit" leaves the integer
     tensors out of the folder, "wrong" writes each one plus 1; `only`: that model only."""
-    from smp.checkpointing import hf_nonfloat
+    from smp.checkpointing.hf import nonfloat as hf_nonfloat
 
     write = hf_nonfloat.write
     if broken == "omit":
@@ -544,8 +544,9 @@ def load_latest_into_fresh(config: dict, root: str) -> dict:
 
 def crash(root: str, point: str) -> None:
     """(A child process) save step_1, then SIGKILL itself part-way through saving step_2."""
-    import smp.checkpointing.atomic as atomic
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from smp.checkpointing import storage
 
     smp.init({})
     torch.manual_seed(0)
@@ -568,7 +569,7 @@ def crash(root: str, point: str) -> None:
 
         FileSystemWriter.write_data = write_then_die
     elif point == "commit":  # every byte and the commit marker written, rename not yet done
-        atomic._fsync_dir = die
+        storage.LocalStorage.fsync_dir = die  # first called on the partial folder, after the marker
     smp.checkpointing.save(os.path.join(root, "step_2"), model, opt, extra={"step": 2})
     print("not killed", flush=True)
 
@@ -612,7 +613,7 @@ def packed_tp_resume(family: str, save_config: dict, load_config: dict, path: st
     and export_hf with detection off (DCP's own error). At a packed save layout also the
     parameters from_pretrained reads from export_hf's folder, and those plain `dcp.load` reads
     from the checkpoint into an unsharded model, that are not bitwise the model's."""
-    from smp.checkpointing import packed
+    from smp.checkpointing.format import packed
 
     def box_read():
         original = packed.read_whole

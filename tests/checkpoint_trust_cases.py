@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import smp
-from smp.checkpointing import digest
+from smp.checkpointing.trust import digest
 from smp.testing.distributed import full_tensor, local_rows
 from smp.testing.models import TinyTransformer, loss_of, random_batch
 
@@ -152,7 +152,7 @@ def no_code_runs(config: dict, root: str) -> dict:
         path = _copy(good, os.path.join(root, "evil_metadata"))
         _write(path, ".metadata", pickle.dumps(Payload(marker)), forge=True)
         attempt("metadata", path)
-        from smp.checkpointing.safe_read import read_dcp_metadata
+        from smp.checkpointing.trust.safe_read import read_dcp_metadata
 
         md = read_dcp_metadata(good)
         md.planner_data = {"x": Payload(marker)}
@@ -316,12 +316,12 @@ def _bytes_dcp_reads(path: str, shard: str) -> list[bool]:
     state = {"model": smp.checkpointing.sharded.get_model_state_dict(model)}
     reader = FileSystemReader(path)
     reader.fs = SpyFileSystem()
-    dcp.load(state, storage_reader=reader, planner=smp.checkpointing.safe_read.SafeLoadPlanner())
+    dcp.load(state, storage_reader=reader, planner=smp.checkpointing.trust.safe_read.SafeLoadPlanner())
     return read
 
 
 def inline_digests(config: dict, root: str) -> dict:
-    """Digests taken from the bytes DCP writes and reads (smp/checkpointing/inline_digest.py)."""
+    """Digests taken from the bytes DCP writes and reads (smp/checkpointing/trust/inline_digest.py)."""
     with smp.session(config):
         world = dist.get_world_size()
         good, saved = _saved(root, "good")
@@ -422,7 +422,9 @@ def _full_writes(where: str, rank: int):
     import builtins
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from smp.checkpointing import atomic, metadata
+    from smp.checkpointing import storage
+    from smp.checkpointing.commit import atomic
+    from smp.checkpointing.format import metadata
 
     def full() -> OSError:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -445,7 +447,7 @@ def _full_writes(where: str, rank: int):
             return original(self, plan, planner)
         FileSystemWriter.write_data = write_data
         return lambda: setattr(FileSystemWriter, "write_data", original)
-    module, name = {"partial_marker": (atomic, atomic.PARTIAL_FILE), "commit": (metadata, metadata.META_FILE)}[where]
+    name = {"partial_marker": atomic.PARTIAL_FILE, "commit": metadata.META_FILE}[where]
 
     def open_(file, mode="r", *args, **kwargs):
         f = builtins.open(file, mode, *args, **kwargs)
@@ -453,8 +455,8 @@ def _full_writes(where: str, rank: int):
             f.close()
             raise full()
         return f
-    module.open = open_  # the module's own name for open shadows the builtin
-    return lambda: delattr(module, "open")
+    storage.open = open_  # the storage module's own name for open shadows the builtin
+    return lambda: delattr(storage, "open")
 
 
 def disk_full(config: dict, root: str, inject: str | None) -> dict:
@@ -759,7 +761,7 @@ def one_rank_sees_damage(config: dict, root: str) -> dict:
     and none waits for the others in a collective. {"error", "seconds"} per rank."""
     import time
 
-    from smp.checkpointing import verify
+    from smp.checkpointing.trust import verify
 
     with smp.session(config):
         path, _ = _saved(root)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import smp
-from smp.checkpointing import hf_conversion, packed
+from smp.checkpointing.format import packed
+from smp.checkpointing.hf import conversion as hf_conversion
 from smp.testing.distributed import full_tensor
 
 

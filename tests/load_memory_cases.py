@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import smp
-from smp.checkpointing import hf_read
+from smp.checkpointing.hf import read as hf_read
 
 
 def _status(field: str) -> int:
@@ -99,14 +99,14 @@ def export_in_pieces(config: dict, root: str, piece_bytes: int) -> dict:
     equal to the model after from_pretrained of the export, "files": the output files}."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from smp.checkpointing import hf
+    from smp.checkpointing.hf import export as hf_export
     from smp.testing.distributed import full_tensor
 
     config_small = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     out = os.path.join(root, "hf")
-    original = hf.PIECE_BYTES
-    hf.PIECE_BYTES = piece_bytes
+    original = hf_export.PIECE_BYTES
+    hf_export.PIECE_BYTES = piece_bytes
     try:
         with smp.session(config):
             torch.manual_seed(0)
@@ -117,7 +117,7 @@ def export_in_pieces(config: dict, root: str, piece_bytes: int) -> dict:
             return {"differ": sorted(n for n in mine if not torch.equal(mine[n], back[n])),
                     "files": sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))}
     finally:
-        hf.PIECE_BYTES = original
+        hf_export.PIECE_BYTES = original
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(out, ignore_errors=True)

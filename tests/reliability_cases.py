@@ -78,7 +78,7 @@ def run_ids_per_rank(ids: dict, save_dir: str | None = None) -> dict:
     import os
     import time
 
-    from smp.checkpointing import run
+    from smp.checkpointing.commit import run
 
     rank = dist.get_rank()
     saved = {k: os.environ.pop(k, None) for k in (run.RUN_ID_ENV, run.TORCHRUN_RUN_ID_ENV)}

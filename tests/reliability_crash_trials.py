@@ -15,13 +15,16 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import time
 
 import torch
 
 from smp import checkpointing
-from smp.checkpointing import atomic, metadata, sharded
+from smp.checkpointing import sharded
+from smp.checkpointing.commit import atomic
+from smp.checkpointing.format import metadata
 from smp.testing.models import TinyTransformer
 
 # Where a child kills itself: the function it dies entering (module, attribute).
@@ -30,7 +33,7 @@ PHASES = {
     "before_meta": (metadata, "write"),  # shards written, no smp_meta.json
     "before_commit_marker": (atomic, "commit"),  # meta written, no marker
     "before_rename": (os, "rename"),  # marker written, still .partial
-    "during_keep_last": (atomic.shutil, "rmtree"),  # committed; deleting the oldest
+    "during_keep_last": (shutil, "rmtree"),  # committed; deleting the oldest (storage.remove_tree)
 }
 KEEP_LAST = 3
 
@@ -108,7 +111,7 @@ def _warm_up(scratch: str) -> None:
     model = TinyTransformer(vocab=32, dim=16, hidden=32, layers=2)
     checkpointing.save(os.path.join(scratch, "w"), model, extra={"step": -1})
     checkpointing.load(os.path.join(scratch, "w"), model)
-    atomic.shutil.rmtree(scratch)
+    shutil.rmtree(scratch)
 
 
 def main() -> None:

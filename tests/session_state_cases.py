@@ -8,7 +8,7 @@ import copy
 import torch
 
 import smp
-from smp.checkpointing import async_save
+from smp.checkpointing.commit import async_save
 from smp.context_parallel.attention import activate as activate_cp, active as active_cp, deactivate as deactivate_cp
 from smp.expert_parallel import load_balancing
 from smp.testing.distributed import local_rows

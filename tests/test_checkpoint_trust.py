@@ -82,7 +82,8 @@ def test_hashing_stream_hashes_the_whole_file_in_any_read_order(tmp_path, monkey
     place), in any order, also with the kept-bytes cap hit: its digest is the file's."""
     import random
 
-    from smp.checkpointing import digest, inline_digest
+    from smp.checkpointing.storage import RangeFile
+    from smp.checkpointing.trust import digest, inline_digest
 
     monkeypatch.setattr(inline_digest, "_KEEP_AT_MOST", keep_at_most)
     rng = random.Random(0)
@@ -91,7 +92,7 @@ def test_hashing_stream_hashes_the_whole_file_in_any_read_order(tmp_path, monkey
     size = file.stat().st_size
     for trial in range(20):
         with open(file, "rb") as raw, open(file, "rb") as gaps:
-            stream = inline_digest._HashingRead(raw, "xxh3_64", gaps.fileno())
+            stream = inline_digest._HashingRead(raw, "xxh3_64", RangeFile(gaps.fileno()))
             for _ in range(rng.randrange(0, 12)):
                 at = rng.randrange(0, size)
                 n = rng.choice([1, 30, 4096, (1 << 20) + 7, 3 << 20])

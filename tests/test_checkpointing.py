@@ -257,7 +257,7 @@ def test_export_integer_nonfloat_dtypes(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from smp.checkpointing import hf_nonfloat
+    from smp.checkpointing.hf import nonfloat as hf_nonfloat
     from smp.errors import CheckpointError
 
     values = {"mask": torch.tensor([True, False]), "i8": torch.tensor([-3], dtype=torch.int8),
@@ -349,7 +349,7 @@ def test_load_hf_convert_refuses_what_it_cannot_prove():
     per-expert file plans one group per fused tensor; a missing expert, a fused tensor in the
     file beside the per-expert ones, and more experts than the model has are refused by name."""
     import smp
-    from smp.checkpointing import hf
+    from smp.checkpointing.hf import load as hf_load
     from tests.hf_conversion_cases import build
 
     with torch.device("meta"):
@@ -362,7 +362,7 @@ def test_load_hf_convert_refuses_what_it_cannot_prove():
                 saved[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"] = shape
 
     def plan(file_shapes):
-        return hf._plan_hf_load(file_shapes, model, shapes, "folder", hf._key_converter(model))
+        return hf_load._plan_hf_load(file_shapes, model, shapes, "folder", hf_load._key_converter(model))
 
     mapping, groups, _ = plan(saved)
     assert sorted(g.layer for g in groups) == sorted(k for k in shapes if ".experts." in k), groups

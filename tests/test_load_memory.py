@@ -59,7 +59,7 @@ def test_plan_reports_host_memory_while_loading():
     import torch
     from transformers import LlamaForCausalLM
 
-    from smp.checkpointing.hf_read import CHUNK_BYTES
+    from smp.checkpointing.hf.read import CHUNK_BYTES
     from smp.planning import plan
 
     with torch.device("meta"):

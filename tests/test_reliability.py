@@ -564,7 +564,7 @@ def test_a_run_id_longer_than_the_bound_is_refused_early(tmp_path, monkeypatch):
     64 KiB bound) and returned None, and the warning printed the whole id. Now smp.init and
     latest() refuse it naming the variable, quoting under 100 characters of it; an id at the
     bound saves and is found (negative control)."""
-    from smp.checkpointing import run
+    from smp.checkpointing.commit import run
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("SMP_RUN_ID", "x" * 70_000)
@@ -591,7 +591,7 @@ def test_a_live_writer_of_the_same_run_id_is_refused_not_deleted(tmp_path, monke
     folder that committed damaged. Now a partial folder a live process of this host writes is
     refused naming it and left alone; the leftover of a dead process is still cleared (negative
     control: a restarted run is not blocked)."""
-    from smp.checkpointing import atomic
+    from smp.checkpointing.commit import atomic
 
     monkeypatch.setenv("SMP_RUN_ID", "shared")
     other = _live_process()
@@ -617,7 +617,7 @@ def test_a_live_writer_of_the_same_run_id_is_refused_not_deleted(tmp_path, monke
 def test_a_partial_folder_taken_over_mid_save_is_not_committed(tmp_path, monkeypatch):
     """Commit checks that the partial folder's marker still names this process: one that another
     process replaced (holding both processes' files) is refused and never looks committed."""
-    from smp.checkpointing import atomic
+    from smp.checkpointing.commit import atomic
 
     other = _live_process()
     try:

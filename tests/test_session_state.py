@@ -15,7 +15,7 @@ import pytest
 
 import smp
 from smp import scope
-from smp.checkpointing import async_save
+from smp.checkpointing.commit import async_save
 from smp.context_parallel.attention import activate as activate_cp, active as active_cp, deactivate as deactivate_cp
 from smp.reliability import guard
 from tests import session_state_cases as cases

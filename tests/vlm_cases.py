@@ -113,12 +113,12 @@ def tied_export_round_trip(config: dict, family: str, keep_both: bool = False) -
     transformers' `from_pretrained` of the folder: {"error", "diff" (every tensor vs the
     transformed model), "tied" (the tie restored), "files"}. `keep_both` (negative control)
     writes both names of the tied weight, as export_hf did before."""
-    from smp.checkpointing import hf
+    from smp.checkpointing.hf import export as hf_export
 
     out = _shared_dir(f"tied-{family}-")
-    original = hf._one_copy_of_tied
+    original = hf_export.one_copy_of_tied
     if keep_both:
-        hf._one_copy_of_tied = lambda state, model: state
+        hf_export.one_copy_of_tied = lambda state, model: state
     try:
         with smp.session(config):
             torch.manual_seed(0)
@@ -138,7 +138,7 @@ def tied_export_round_trip(config: dict, family: str, keep_both: bool = False) -
             return {"error": "", "diff": diff, "tied": inp.data_ptr() == outp.data_ptr(),
                     "files": sorted(os.listdir(os.path.join(out, "hf")))}
     finally:
-        hf._one_copy_of_tied = original
+        hf_export.one_copy_of_tied = original
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(out, ignore_errors=True)
@@ -169,12 +169,12 @@ def pretrained_round_trip(config: dict, family: str, convert: bool = True, build
     "round_trip_diff" (from_pretrained of the export vs the same)}. `convert=False` (negative
     control) skips transformers' key conversion, as load_hf did before. `builder()` builds the
     model (default: `build(family)`; the coverage matrix passes its own)."""
-    from smp.checkpointing import hf
+    from smp.checkpointing.hf import load as hf_load
 
     builder = builder or (lambda: build(family))
-    original = hf._key_converter
+    original = hf_load._key_converter
     if not convert:
-        hf._key_converter = lambda model: None
+        hf_load._key_converter = lambda model: None
     root = None
     try:
         with smp.session(config):
@@ -193,7 +193,7 @@ def pretrained_round_trip(config: dict, family: str, convert: bool = True, build
                        for n, t in reference.items() if t.numel())
             return {"error": "", "loaded_diff": loaded, "round_trip_diff": diff}
     finally:
-        hf._key_converter = original
+        hf_load._key_converter = original
         if root is not None:
             dist.barrier()
             if dist.get_rank() == 0:
@@ -210,13 +210,13 @@ def meta_load(config: dict, family: str, compute_buffers: bool = True, one_call:
     non-persistent buffers compared)}. `compute_buffers=False` (negative control) leaves the
     non-persistent buffers as `to_empty` memory. `builder()` builds the model (default:
     `build(family)`; the coverage matrix passes its own)."""
-    from smp.checkpointing import hf
+    from smp.checkpointing.hf import load as hf_load
 
     builder = builder or (lambda: build(family))
 
-    original = hf._computed_buffers
+    original = hf_load._computed_buffers
     if not compute_buffers:
-        hf._computed_buffers = lambda model: {}
+        hf_load._computed_buffers = lambda model: {}
     root = None
     try:
         with smp.session(config):
@@ -245,7 +245,7 @@ def meta_load(config: dict, family: str, compute_buffers: bool = True, one_call:
                     diff = max(diff, 0.0 if same else float((full.double() - ref[name].double()).abs().max().nan_to_num(float("inf"))))
             return {"error": "", "diff": diff, "buffers": sorted(buffers)}
     finally:
-        hf._computed_buffers = original
+        hf_load._computed_buffers = original
         if root is not None:
             dist.barrier()
             if dist.get_rank() == 0:

@@ -294,15 +294,15 @@ def trainer_save_tied(family: str = "llama-tied", keep_both: bool = False, steps
     import os
     import shutil
 
-    from smp.checkpointing import hf
+    from smp.checkpointing.hf import export as hf_export
     from smp.integrations import SMPTrainer
     from smp.testing.distributed import full_tensor
     from tests import trainer_cases
 
     out = vlm_cases._shared_dir(f"trainer-tied-{family}-")
-    original = hf._one_copy_of_tied
+    original = hf_export.one_copy_of_tied
     if keep_both:
-        hf._one_copy_of_tied = lambda state, model: state
+        hf_export.one_copy_of_tied = lambda state, model: state
     try:
         with smp.session({}):
             torch.manual_seed(0)
@@ -330,7 +330,7 @@ def trainer_save_tied(family: str = "llama-tied", keep_both: bool = False, steps
             tied = loaded.get_input_embeddings().weight.data_ptr() == loaded.get_output_embeddings().weight.data_ptr()
             return {"error": "", "diff": diff, "tied": tied, "files": sorted(os.listdir(folder))}
     finally:
-        hf._one_copy_of_tied = original
+        hf_export.one_copy_of_tied = original
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(out, ignore_errors=True)

@@ -8,18 +8,19 @@ Layout of a checkpoint directory (plain DCP at its root, so `dcp.load` works wit
   smp_extra/rank_<r>.pt           torch.save({"extra": ..., "rng": ...}) of rank r
   smp_meta.json                   versions, world size, degrees, parameter names/shapes,
                                   optimizer options, run id, every file's size and digest
-  smp_commit.json                 commit marker, written last (see atomic.py)
+  smp_commit.json                 commit marker, written last (see commit/atomic.py)
 
 Load treats the folder as untrusted input, in this order, every rank agreeing at each step
 before the next: smp_meta.json is checked field by field; the model and optimizer are
 compared with it; every file is checked against its digest (each rank hashes the files its
-rank wrote, from the bytes DCP reads: inline_digest.py); every pickle is read through an
-allow-list (safe_read.py); DCP loads into a copy of the state, which replaces the model's and
+rank wrote, from the bytes DCP reads: trust/inline_digest.py); every pickle is read through an
+allow-list (trust/safe_read.py); DCP loads into a copy of the state, which replaces the model's and
 optimizer's only once everything succeeded. A failed load leaves both untouched.
 
 This module is the protocol (what is written and read, in which order); beside it:
-verify.py checks a folder before and while it loads, async_save.py runs background saves,
-save_errors.py tells a full disk from other write failures, collective.py holds the
+trust/verify.py checks a folder before and while it loads, commit/async_save.py runs background
+saves, commit/save_errors.py tells a full disk from other write failures, storage.py is every
+filesystem operation (the seam where another storage would plug in), collective.py holds the
 rank-0-step and agreement collectives every step uses.
 """
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -45,12 +45,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from smp.checkpointing import atomic, digest, inline_digest, metadata, packed, rng, safe_read, save_errors, verify
-from smp.checkpointing.async_save import host_copy, saves, wait
+from smp.checkpointing import storage
 from smp.checkpointing.collective import agree, is_dist, on_rank0, rank, world
-from smp.checkpointing.pipeline import stages_view, whole_model_shapes
-from smp.checkpointing.same_path import agree_on_path
-from smp.checkpointing.save_errors import disk_full_or, is_disk_full, save_error
+from smp.checkpointing.commit import atomic, save_errors
+from smp.checkpointing.commit.async_save import host_copy, saves, wait
+from smp.checkpointing.commit.same_path import agree_on_path
+from smp.checkpointing.commit.save_errors import disk_full_or, is_disk_full, save_error
+from smp.checkpointing.format import metadata, packed, rng
+from smp.checkpointing.format.pipeline import stages_view, whole_model_shapes
+from smp.checkpointing.trust import digest, inline_digest, safe_read, verify
 from smp.errors import CheckpointError
 from smp.mesh import ParallelDims
 
@@ -97,10 +100,11 @@ def _agree_on_tmp(path: str, kind: str = "sharded") -> str:
     def make() -> None:
         atomic.prepare(path, run_id, kind)
         if kind == "sharded":
+            fs = storage.current()
             try:
-                os.makedirs(os.path.join(tmp, EXTRA_DIR))
+                fs.make_dirs(os.path.join(tmp, EXTRA_DIR))
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)  # the folder prepare made just now
+                fs.remove_tree(tmp, ignore_errors=True)  # the folder prepare made just now
                 raise
 
     on_rank0(make, f"creating checkpoint directory {tmp!r}")
@@ -123,7 +127,7 @@ def _local_bytes(state: Any) -> int:
 def _write_extra(tmp: str, extra: Any, path: str, needed: int) -> None:
     error = None
     try:
-        torch.save({"extra": extra, "rng": rng.capture()}, os.path.join(tmp, EXTRA_DIR, f"rank_{rank()}.pt"))
+        storage.current().torch_save({"extra": extra, "rng": rng.capture()}, os.path.join(tmp, EXTRA_DIR, f"rank_{rank()}.pt"))
     except Exception as e:  # noqa: BLE001 - unpicklable extra, disk errors: reported below
         error = (f"{type(e).__name__}: {e}", is_disk_full(e, tmp, needed))
     errors = [error]
@@ -150,7 +154,7 @@ def _gather_digests(tmp: str, group: dist.ProcessGroup | None, written: dict[str
     try:
         mine = [f for f in digest.data_files(tmp, _BOOKKEEPING) if digest.writer_rank(f) % n == me]
         known = {f: written[f] for f in mine
-                 if f in written and written[f]["bytes"] == os.path.getsize(os.path.join(tmp, f))}
+                 if f in written and written[f]["bytes"] == storage.current().size(os.path.join(tmp, f))}
         result = ({**digest.describe(tmp, [f for f in mine if f not in known], digest.algorithm()), **known}, None)
     except Exception as e:  # noqa: BLE001 - raised below, on every rank
         result = ({}, f"rank {me}: {type(e).__name__}: {e}")
@@ -254,7 +258,7 @@ def save(
             raise disk_full_or(e, path, needed) from None
     except BaseException:
         if rank() == 0 and not background:
-            shutil.rmtree(tmp, ignore_errors=True)
+            storage.current().remove_tree(tmp, ignore_errors=True)
         raise
     finally:
         if fresh_optimizer:
@@ -399,9 +403,10 @@ def _read_extra(path: str, meta: dict[str, Any], allow_pickle: bool) -> tuple[An
     fails every rank, before any rank changes its model."""
     same_world = meta.get("world_size") == world()
     own = os.path.join(path, EXTRA_DIR, f"rank_{rank()}.pt")
-    file = own if same_world and os.path.exists(own) else os.path.join(path, EXTRA_DIR, "rank_0.pt")
+    fs = storage.current()
+    file = own if same_world and fs.exists(own) else os.path.join(path, EXTRA_DIR, "rank_0.pt")
     saved, problem = None, None
-    if os.path.exists(file):
+    if fs.exists(file):
         try:
             saved = safe_read.read_extra(file, allow_pickle)
             if not (isinstance(saved, dict) and "extra" in saved and "rng" in saved):

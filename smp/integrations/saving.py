@@ -1,5 +1,5 @@
 """The final model as a Hugging Face folder for the integrations (Trainer, accelerate):
-`export_hf_folder` writes it into a folder that holds other files (smp.checkpointing.hf_folder),
+`export_hf_folder` writes it into a folder that holds other files (smp.checkpointing.hf.folder),
 as `save_pretrained` writes into a run's output_dir beside its `step_N` folders.
 
 `full_state_dict` is the whole model as plain host tensors, for `accelerator.get_state_dict`.
@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from smp import _compat, runtime
-from smp.checkpointing import hf_folder, packed
+from smp.checkpointing.format import packed
+from smp.checkpointing.hf import folder as hf_folder
 from smp.checkpointing.hf import DEFAULT_MAX_SHARD_BYTES
 from smp.errors import ConfigError
 from smp.pipeline.schedule import PipelinedModel

@@ -39,7 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import smp
 from smp._compat import check_trainer_overrides, mark_prepared, trainer_batch_size
-from smp.checkpointing import rng
+from smp.checkpointing.format import rng
 from smp.config import ConfigSource, SMPConfig, load_config
 from smp.integrations.checks import check_no_pipeline, check_training_arguments
 from smp.integrations.data import gather_for_metrics_by_dp, prepare_data_loader_by_dp
@@ -319,7 +319,9 @@ class SMPTrainerMixin:
 def _restore_trainer_state(checkpoint: str, state_file: str) -> None:
     """(rank 0) Write `trainer_state.json` of a committed smp checkpoint from the Trainer state
     its commit holds (rank 0's `extra`, checked against its recorded digest first)."""
-    from smp.checkpointing import atomic, digest, metadata, safe_read
+    from smp.checkpointing.commit import atomic
+    from smp.checkpointing.format import metadata
+    from smp.checkpointing.trust import digest, safe_read
 
     extra_file = "smp_extra/rank_0.pt"
     why = None if atomic.is_committed(checkpoint) else "it is not a committed smp checkpoint"

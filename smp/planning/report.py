@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from smp import scope
-from smp.checkpointing.hf_read import load_host_bytes
+from smp.checkpointing.hf.read import load_host_bytes
 from smp.config import ConfigError, ConfigSource, load_config
 from smp.mesh import ParallelDims
 from smp.models import build_causal_lm, resolve_model_config

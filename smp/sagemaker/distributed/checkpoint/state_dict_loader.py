@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import LoadPlanner, StorageReader
 
-from smp.checkpointing.same_path import agree_on_path
+from smp.checkpointing.commit.same_path import agree_on_path
 from smp.sagemaker.distributed.checkpoint._options import check_smp_options
 from smp.sagemaker.distributed.checkpoint.state_dict_saver import maybe_finalize_async_calls
 

@@ -3,7 +3,7 @@ maybe_finalize_async_calls on torch.distributed.checkpoint.
 
 Every rank that holds part of the state dict calls save (DCP deduplicates replicated tensors).
 Before anything is written the ranks of the save agree on its path
-(smp/checkpointing/same_path.py): a script that saves per tensor-parallel rank into its own
+(smp/checkpointing/commit/same_path.py): a script that saves per tensor-parallel rank into its own
 folder passes the group that shares the folder (`process_group=model.process_group`), as SMP v2
 scripts do; ranks of one group with different paths are refused on every rank.
 An async save runs its collectives on a gloo group of its own (smp.checkpointing's, or a twin of
@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 
 import smp
-from smp.checkpointing.async_save import saves
-from smp.checkpointing.same_path import agree_on_path
+from smp.checkpointing.commit.async_save import saves
+from smp.checkpointing.commit.same_path import agree_on_path
 from smp.sagemaker._guide import not_supported
 from smp.sagemaker.distributed.checkpoint._options import check_smp_options
 from smp.sagemaker.distributed.checkpoint.async_utils import AsyncCallsQueue

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from smp._version import __version__
+from smp.checkpointing import storage
 from smp.errors import CheckpointError
 from smp.mesh import ParallelDims
-from smp.regular_files import NotReadable, read_regular
+from smp.regular_files import NotReadable
 
 META_FILE = "smp_meta.json"
 FORMAT_VERSION = 2  # 2: "files" (sizes and digests) and the optimizer's options
@@ -77,10 +78,7 @@ def build(
 
 
 def write(directory: str, meta: Mapping[str, Any]) -> None:
-    with open(os.path.join(directory, META_FILE), "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    storage.current().write_file(os.path.join(directory, META_FILE), json.dumps(meta, indent=1).encode(), durable=True)
 
 
 def read(directory: str) -> dict[str, Any]:
@@ -89,7 +87,7 @@ def read(directory: str) -> dict[str, Any]:
     try:
         # A regular file only (a FIFO, or a link to /dev/zero, planted in a shared root would
         # hang or fill memory), of bounded size.
-        raw = read_regular(file, MAX_META_BYTES)
+        raw = storage.current().read_regular(file, MAX_META_BYTES)
     except NotReadable as e:
         raise CheckpointError(f"{file!r} {e}; the checkpoint is damaged or unsafe: load another one "
                               f"(latest(root) skips such folders)") from None

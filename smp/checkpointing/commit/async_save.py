@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from smp._compat import group_is_alive
+from smp.checkpointing import storage
 from smp.checkpointing.collective import is_dist, rank, world
 from smp.errors import CheckpointError
 from smp.scope import Slot
@@ -74,7 +74,7 @@ class AsyncSaves:
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
         if failed:
             if rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                storage.current().remove_tree(tmp, ignore_errors=True)
             raise CheckpointError("async checkpoint save failed (not committed; its partial files are removed, "
                                   "the previous checkpoint is intact):\n  " + "\n  ".join(failed))
 

@@ -14,7 +14,7 @@ streams hash what goes through them:
   `hashed_to`: a read that starts there is hashed in place (a tensor's bytes 1 MiB at a time,
   right after each slice lands in the tensor); a small read ahead of it is kept until the hash
   gets there; a large read ahead first hashes the gap from the kept pieces, reading only what no
-  read covered (`os.pread` on a descriptor of its own, which leaves DCP's file position and
+  read covered (a byte-range read on a file opened a second time, which leaves DCP's file position and
   readahead alone); at the end the rest of the file is hashed the same way. The loader sorts
   each file's items by offset, so on a same-layout load every byte is read from disk once.
 
@@ -29,12 +29,12 @@ import contextlib
 import dataclasses
 import os
 import threading
-from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
-from smp.checkpointing import digest, safe_read
+from smp.checkpointing import storage
+from smp.checkpointing.trust import digest, safe_read
 
 _KEEP_BELOW = 1 << 20  # reads ahead of the hash up to this size are kept in memory
 _KEEP_AT_MOST = 64 << 20  # bytes kept per file at most (more are read again instead)
@@ -76,11 +76,11 @@ class _HashingWrite:
 class _HashingRead:
     """A read stream that hashes the file front to back whatever order it is read in."""
 
-    def __init__(self, raw: Any, algo: str, gap_fd: int):
+    def __init__(self, raw: Any, algo: str, gaps: storage.RangeFile):
         # Bytes no read covered are read through a descriptor of their own: the kernel keeps
         # readahead state per open file, and preads elsewhere on DCP's descriptor would feed
         # it a random pattern in the middle of DCP's sequential reads.
-        self._raw, self._hasher, self._fd = raw, digest.Hasher(algo), gap_fd
+        self._raw, self._hasher, self._gaps = raw, digest.Hasher(algo), gaps
         # DCP's file views seek and tell around every read: bound here, not found by __getattr__.
         self.seek, self.tell = raw.seek, raw.tell
         self.hashed_to = 0
@@ -147,7 +147,7 @@ class _HashingRead:
 
     def _read_and_hash(self, stop: int) -> None:
         while self.hashed_to < stop:
-            data = os.pread(self._fd, min(stop - self.hashed_to, _CHUNK), self.hashed_to)
+            data = self._gaps.read_at(min(stop - self.hashed_to, _CHUNK), self.hashed_to)
             if not data:
                 return  # the file ends before `stop`: it is shorter than recorded
             self._hasher.update(data)
@@ -155,7 +155,7 @@ class _HashingRead:
 
     def finish(self) -> tuple[int, str]:
         """Hash the rest of the file; its size as hashed and `<algo>:<hex>`."""
-        self.hash_up_to(os.fstat(self._fd).st_size)
+        self.hash_up_to(self._gaps.size())
         return self.hashed_to, self._hasher.result()
 
 
@@ -176,8 +176,9 @@ class HashingFileSystem(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         rel = os.path.relpath(os.fspath(path), self._root)
+        fs = storage.current()
         if "w" in mode:
-            with Path(path).open(mode) as raw:
+            with fs.open_stream(path, mode) as raw:
                 stream = _HashingWrite(raw, self._algo)
                 yield stream
             entry = stream.entry()
@@ -187,18 +188,15 @@ class HashingFileSystem(FileSystem):
         elif rel in self._expected:
             entry = self._expected[rel]
             algo = str(entry["digest"]).split(":", 1)[0]
-            gap_fd = os.open(path, os.O_RDONLY)
-            try:
-                with Path(path).open(mode) as raw:
-                    stream = _HashingRead(raw, algo, gap_fd)
+            with fs.open_ranges(path, regular=False) as gaps:
+                with fs.open_stream(path, mode) as raw:
+                    stream = _HashingRead(raw, algo, gaps)
                     yield stream
                     size, found = stream.finish()
-            finally:
-                os.close(gap_fd)
             with self._lock:
                 self.checked[rel] = digest.mismatch(entry, size, found)
         else:
-            with super().create_stream(path, mode) as raw:
+            with fs.open_stream(path, mode) as raw:  # what DCP's own FileSystem.create_stream opens
                 yield raw
 
 

@@ -23,6 +23,8 @@ import stat
 import zlib
 from typing import Mapping
 
+from smp.checkpointing import storage
+
 try:
     import xxhash
 except ImportError:  # optional: CRC-32 from the standard library instead
@@ -66,7 +68,7 @@ def file_digest(path: str, algo: str) -> str:
     # read() from the page cache). Not mmap: a file truncated while mapped kills the process.
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    with storage.current().open_read(path) as f:
         while n := f.readinto(buffer):
             hasher.update(view[:n])
     return hasher.result()
@@ -92,7 +94,7 @@ def writer_rank(relpath: str) -> int:
 def data_files(directory: str, skip: frozenset[str]) -> list[str]:
     """Every regular file under `directory` as a relative path, except the names in `skip`."""
     found = []
-    for parent, _, files in os.walk(directory):
+    for parent, _, files in storage.current().walk(directory):
         for name in files:
             rel = os.path.relpath(os.path.join(parent, name), directory)
             if rel not in skip:
@@ -105,7 +107,7 @@ def describe(directory: str, relpaths: list[str], algo: str) -> dict[str, dict]:
     out = {}
     for rel in relpaths:
         full = os.path.join(directory, rel)
-        out[rel] = {"bytes": os.path.getsize(full), "digest": file_digest(full, algo)}
+        out[rel] = {"bytes": storage.current().size(full), "digest": file_digest(full, algo)}
     return out
 
 
@@ -114,12 +116,13 @@ def unsafe_path(directory: str, relpath: str) -> str | None:
     regular file inside the folder, reached without following a symbolic link."""
     if os.path.isabs(relpath) or ".." in relpath.replace("\\", "/").split("/"):
         return "points outside the checkpoint folder"
+    fs = storage.current()
     full = os.path.join(directory, relpath)
-    real_dir = os.path.realpath(directory)
-    if os.path.realpath(full) != os.path.join(real_dir, os.path.normpath(relpath)):
+    real_dir = fs.real_path(directory)
+    if fs.real_path(full) != os.path.join(real_dir, os.path.normpath(relpath)):
         return "is reached through a symbolic link"
     try:
-        mode = os.lstat(full).st_mode
+        mode = fs.lstat(full).st_mode
     except FileNotFoundError:
         return "is missing"
     if not stat.S_ISREG(mode):
@@ -135,7 +138,7 @@ def problems(directory: str, files: Mapping[str, Mapping], relpaths: list[str], 
         entry = files[rel]
         why = unsafe_path(directory, rel)
         if why is None:
-            size = os.path.getsize(os.path.join(directory, rel))
+            size = storage.current().size(os.path.join(directory, rel))
             why = mismatch(entry, size, entry["digest"])
             if why is None and read:
                 algo = str(entry["digest"]).split(":", 1)[0]

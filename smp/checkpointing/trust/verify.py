@@ -13,10 +13,13 @@ from typing import Any
 import torch
 
 from smp._version import __version__
-from smp.checkpointing import atomic, digest, inline_digest, metadata, safe_read
+from smp.checkpointing import storage
+from smp.checkpointing.commit import atomic
+from smp.checkpointing.format import metadata
+from smp.checkpointing.trust import digest, inline_digest, safe_read
 from smp.checkpointing.collective import agree, rank, world
 from smp.errors import CheckpointError
-from smp.regular_files import NotReadable, check_regular
+from smp.regular_files import NotReadable
 
 log = logging.getLogger(__name__)
 
@@ -25,20 +28,21 @@ DAMAGED = "checkpoint {path!r} is damaged or unsafe; nothing was loaded (latest(
 
 def check_directory(path: str) -> dict[str, Any]:
     """`path`'s smp_meta.json, once the folder is known to be a committed sharded checkpoint."""
-    if not os.path.exists(path):
+    fs = storage.current()
+    if not fs.exists(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
-    if not os.path.isdir(path):
+    if not fs.is_dir(path):
         raise CheckpointError(f"checkpoint {path!r} is a file, not a checkpoint directory")
     for name in (atomic.COMMIT_FILE, metadata.META_FILE):  # planted: a FIFO, a link to /dev/zero
-        if os.path.lexists(os.path.join(path, name)):
+        if fs.lexists(os.path.join(path, name)):
             try:
-                check_regular(os.path.join(path, name))
+                fs.check_regular(os.path.join(path, name))
             except NotReadable as e:
                 raise CheckpointError(f"{os.path.join(path, name)!r} {e}; the checkpoint is damaged or unsafe: "
                                       f"load another one (latest(root) skips such folders)") from None
     smp_files = (metadata.META_FILE, atomic.COMMIT_FILE, atomic.PARTIAL_FILE)
-    if (os.path.lexists(os.path.join(path, safe_read.DCP_METADATA_FILE)) and not os.path.basename(path).endswith(
-            atomic.PARTIAL_SUFFIX) and not any(os.path.lexists(os.path.join(path, f)) for f in smp_files)):
+    if (fs.lexists(os.path.join(path, safe_read.DCP_METADATA_FILE)) and not os.path.basename(path).endswith(
+            atomic.PARTIAL_SUFFIX) and not any(fs.lexists(os.path.join(path, f)) for f in smp_files)):
         raise CheckpointError(
             f"{path!r} was not written by smp: it is a plain torch.distributed.checkpoint folder (a "
             f".metadata, none of {', '.join(smp_files)}), so it has no record of what it holds and no "
@@ -47,13 +51,13 @@ def check_directory(path: str) -> dict[str, Any]:
             f"allow-list), then smp.checkpointing.save it to get a verified smp checkpoint"
         )
     if os.path.basename(path).endswith(atomic.PARTIAL_SUFFIX) or (
-        os.path.exists(os.path.join(path, ".metadata")) and not atomic.is_committed(path)
+        fs.exists(os.path.join(path, ".metadata")) and not atomic.is_committed(path)
     ):
         raise CheckpointError(
             f"{path!r} is an incomplete checkpoint (its save never committed); "
             f"use smp.checkpointing.latest(root) to find the newest complete one"
         )
-    if not atomic.is_committed(path) or not os.path.exists(os.path.join(path, metadata.META_FILE)):
+    if not atomic.is_committed(path) or not fs.exists(os.path.join(path, metadata.META_FILE)):
         raise CheckpointError(
             f"{path!r} is not an smp checkpoint (no {atomic.COMMIT_FILE} / {metadata.META_FILE}); "
             f"pass a directory written by smp.checkpointing.save (export_hf folders load with load_hf)"

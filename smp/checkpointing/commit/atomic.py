@@ -32,14 +32,16 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import stat
 import time
 
-from smp.checkpointing import digest, metadata, run
+from smp.checkpointing import storage
+from smp.checkpointing.commit import run
+from smp.checkpointing.format import metadata
+from smp.checkpointing.trust import digest
 from smp.errors import CheckpointError
-from smp.regular_files import NotReadable, read_regular
+from smp.regular_files import NotReadable
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +77,9 @@ def is_committed(path: str) -> bool:
     """The folder holds a commit marker that is a regular file (a link or a FIFO planted in its
     place is not one, and is never opened)."""
     try:
-        return stat.S_ISREG(os.lstat(os.path.join(path, COMMIT_FILE)).st_mode)
+        return stat.S_ISREG(storage.current().lstat(os.path.join(path, COMMIT_FILE)).st_mode)
     except OSError:
         return False
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
@@ -100,10 +89,11 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
     empty folder): overwriting replaces the whole directory, and a user's own files, or a root
     holding many checkpoints, must never be deleted by a save."""
     path = os.path.abspath(path)
-    if os.path.islink(path):
+    fs = storage.current()
+    if fs.is_link(path):
         raise FileExistsError(f"{path!r} is a symbolic link; save to a real folder (smp never writes through links)")
-    if os.path.exists(path):
-        replaceable = (os.path.isdir(path) and not os.listdir(path)) or (
+    if fs.exists(path):
+        replaceable = _is_empty_dir(path) or (
             is_committed(path) and _marker(path).get("kind", "sharded") == kind
         )
         if not replaceable:
@@ -120,9 +110,9 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
                 f"across --max-restarts; a new launch is a new run)"
             )
     tmp = partial_dir(path)
-    if os.path.lexists(tmp):
-        owner = None if os.path.islink(tmp) else _partial_owner(tmp)
-        if owner is None and not (not os.path.islink(tmp) and _is_empty_dir(tmp)):
+    if fs.lexists(tmp):
+        owner = None if fs.is_link(tmp) else _partial_owner(tmp)
+        if owner is None and not (not fs.is_link(tmp) and _is_empty_dir(tmp)):
             raise FileExistsError(
                 f"{tmp!r} exists and was not made by an smp save; smp writes a save to {path!r} "
                 f"there first. Rename or remove it"
@@ -142,24 +132,25 @@ def prepare(path: str, run_id: str, kind: str = "sharded") -> str:
                 f"files. Save under another name or root; if no run is writing it any more, delete it. If this "
                 f"is run {run.short(owner)} restarted, set {run.RUN_ID_ENV}={run.short(owner)}"
             )
-        shutil.rmtree(tmp)  # this run's crashed save's leftover (or an empty folder)
-    os.makedirs(tmp)
+        fs.remove_tree(tmp)  # this run's crashed save's leftover (or an empty folder)
+    fs.make_dirs(tmp)
     try:
-        with open(os.path.join(tmp, PARTIAL_FILE), "w") as f:
-            json.dump({"run_id": run_id, **_this_process()}, f)
+        fs.write_file(os.path.join(tmp, PARTIAL_FILE), json.dumps({"run_id": run_id, **_this_process()}).encode())
     except BaseException:
         # A folder without its marker would block every later save to `path` (not provably smp's).
-        shutil.rmtree(tmp, ignore_errors=True)
+        fs.remove_tree(tmp, ignore_errors=True)
         raise
     return tmp
 
 
 def _is_empty_dir(path: str) -> bool:
-    return os.path.isdir(path) and not os.listdir(path)
+    fs = storage.current()
+    return fs.is_dir(path) and not fs.list(path)
 
 
 def _process_start(pid: int) -> int | None:
-    """The start time of process `pid` of this host (clock ticks since boot), None when it is gone."""
+    """The start time of process `pid` of this host (clock ticks since boot), None when it is gone.
+    Read from the host's process table, not checkpoint storage (storage.py)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
@@ -175,7 +166,7 @@ def _this_process() -> dict:
 def _writer(path: str) -> dict:
     """The process fields of a partial folder's marker ({} when unreadable)."""
     try:
-        data = json.loads(read_regular(os.path.join(path, PARTIAL_FILE), _MAX_MARKER_BYTES))
+        data = json.loads(storage.current().read_regular(os.path.join(path, PARTIAL_FILE), _MAX_MARKER_BYTES))
     except (NotReadable, ValueError, RecursionError):
         return {}
     return {k: data.get(k) for k in ("host", "pid", "started")} if isinstance(data, dict) else {}
@@ -195,7 +186,7 @@ def _live_writer(path: str) -> str | None:
 def _partial_owner(path: str) -> str | None:
     """The run id in a partial folder's `smp_partial.json`; None when it is not smp's."""
     try:
-        owner = json.loads(read_regular(os.path.join(path, PARTIAL_FILE), _MAX_MARKER_BYTES))["run_id"]
+        owner = json.loads(storage.current().read_regular(os.path.join(path, PARTIAL_FILE), _MAX_MARKER_BYTES))["run_id"]
     except (NotReadable, ValueError, KeyError, TypeError, RecursionError):
         return None
     return owner if isinstance(owner, str) else None
@@ -219,27 +210,25 @@ def commit(path: str, kind: str = "sharded", run_id: str | None = None) -> None:
         )
     marker = {"kind": kind, "run_id": run_id, "sequence": _next_sequence(os.path.dirname(path)),
               "committed_at_ns": time.time_ns()}  # the time is for people; order uses "sequence"
-    with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if os.path.exists(path):
+    fs = storage.current()
+    fs.write_file(os.path.join(tmp, COMMIT_FILE), json.dumps(marker).encode(), durable=True)
+    fs.fsync_dir(tmp)
+    if fs.exists(path):
         # Overwriting a checkpoint: move the old one aside first (two renames, then delete).
         old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old)
+        if fs.exists(old):
+            fs.remove_tree(old)
+        fs.rename(path, old)
+        fs.rename(tmp, path)
+        fs.remove_tree(old)
     else:
-        os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+        fs.rename(tmp, path)
+    fs.fsync_dir(os.path.dirname(path))
     # The commit marker now names the run; the partial marker was only for the unfinished
     # folder, and an exported folder goes to users (the Hub) without smp's scratch files. A
     # crash before this line leaves it in a committed folder, where nothing reads it.
     try:
-        os.remove(os.path.join(path, PARTIAL_FILE))
+        fs.remove(os.path.join(path, PARTIAL_FILE))
     except FileNotFoundError:
         pass
 
@@ -247,7 +236,7 @@ def commit(path: str, kind: str = "sharded", run_id: str | None = None) -> None:
 def _marker(path: str) -> dict:
     """The commit marker's fields; {} when it is missing or unreadable."""
     try:
-        data = json.loads(read_regular(os.path.join(path, COMMIT_FILE), _MAX_MARKER_BYTES))
+        data = json.loads(storage.current().read_regular(os.path.join(path, COMMIT_FILE), _MAX_MARKER_BYTES))
     except (NotReadable, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -263,15 +252,16 @@ def _order(name: str, marker: dict) -> tuple[int, int, str]:
 def _listed(root: str) -> list[tuple[tuple, str, dict]]:
     """(order, path, marker) of every committed folder directly under `root`: no hidden
     names, no symbolic links."""
-    if not os.path.isdir(root):
+    fs = storage.current()
+    if not fs.is_dir(root):
         return []
     found = []
-    for name in os.listdir(root):
+    for name in fs.list(root):
         full = os.path.join(root, name)
-        if name.startswith(".") or os.path.islink(full) or not os.path.isdir(full):
+        if name.startswith(".") or fs.is_link(full) or not fs.is_dir(full):
             continue
         if not is_committed(full):
-            if os.path.lexists(os.path.join(full, COMMIT_FILE)):
+            if fs.lexists(os.path.join(full, COMMIT_FILE)):
                 log.warning("smp.checkpointing: skipping %r: its %s is not a regular file (planted?)", full, COMMIT_FILE)
             continue
         marker = _marker(full)
@@ -315,7 +305,7 @@ def latest(root: str | os.PathLike, run: str | None = None) -> str | None:
     `run`: None for this run's (see run.py; a process that knows no run id yet gets the newest
     checkpoint when `root` holds one run's only, and a CheckpointError naming the runs when it
     holds several); "any" for the newest of whichever run; a run id for that run's."""
-    from smp.checkpointing import run as runs  # the parameter shadows the module here
+    from smp.checkpointing.commit import run as runs  # the parameter shadows the module here
 
     found = [(full, marker.get("run_id")) for _, full, marker in _listed(os.fspath(root))
              if marker.get("kind", "sharded") == "sharded"]
@@ -375,14 +365,15 @@ def keep_last(root: str, n: int, protect: str, run_id: str) -> list[str]:
     ours = [full for _, full, marker in _listed(root)
             if marker.get("kind", "sharded") == "sharded" and marker.get("run_id") == run_id]
     doomed = [p for p in ours[: max(len(ours) - n, 0)] if os.path.abspath(p) != os.path.abspath(protect)]
+    fs = storage.current()
     for p in doomed:
         # Un-commit first: a crash mid-delete leaves a directory latest() already ignores.
-        os.remove(os.path.join(p, COMMIT_FILE))
-        shutil.rmtree(p)
-    for name in os.listdir(root):
+        fs.remove(os.path.join(p, COMMIT_FILE))
+        fs.remove_tree(p)
+    for name in fs.list(root):
         full = os.path.join(root, name)
-        if (name.startswith(".") and name.endswith(PARTIAL_SUFFIX) and not os.path.islink(full)
+        if (name.startswith(".") and name.endswith(PARTIAL_SUFFIX) and not fs.is_link(full)
                 and _partial_owner(full) == run_id and _live_writer(full) is None):
-            shutil.rmtree(full, ignore_errors=True)
+            fs.remove_tree(full, ignore_errors=True)
             doomed.append(full)
     return doomed

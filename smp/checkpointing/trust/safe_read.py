@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from smp._compat import set_element
-from smp.checkpointing.digest import unsafe_path
-from smp.regular_files import NotReadable, open_regular
+from smp.checkpointing import storage
+from smp.checkpointing.trust.digest import unsafe_path
+from smp.regular_files import NotReadable
 
 DCP_METADATA_FILE = ".metadata"
 
@@ -69,10 +70,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(directory: str) -> Metadata:
     """The folder's DCP metadata, unpickled with the allow-list, its storage paths checked."""
     try:  # a regular file in the folder, never a link or a FIFO planted in its place
-        fd = open_regular(os.path.join(directory, DCP_METADATA_FILE))
+        file = storage.current().open_regular(os.path.join(directory, DCP_METADATA_FILE))
     except NotReadable as e:
         raise UnsafeCheckpoint(f"{DCP_METADATA_FILE} {e}") from None
-    with os.fdopen(fd, "rb") as f:
+    with file as f:
         try:
             md = _MetadataUnpickler(f).load()
         except UnsafeCheckpoint:
@@ -115,8 +116,8 @@ def read_extra(file: str, allow_pickle: bool) -> Any:
     """smp's per-rank `{"extra", "rng"}` file: weights_only unless the caller trusts it. Only a
     regular file (never a link or a FIFO planted in its place)."""
     try:
-        fd = open_regular(file)
+        opened = storage.current().open_regular(file)
     except NotReadable as e:
         raise UnsafeCheckpoint(f"{os.path.basename(file)} {e}") from None
-    with os.fdopen(fd, "rb") as f:
+    with opened as f:
         return torch.load(f, weights_only=not allow_pickle)

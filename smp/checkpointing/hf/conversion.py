@@ -16,7 +16,7 @@ the same converters the way from_pretrained does (`smp._compat.CheckpointConvers
    renamed tensors. A converter that does not run on the file's shapes, or two groups (or a
    group and a renamed key) writing one tensor, is refused naming the key.
 2. Loading, on each rank: each group with a result this rank holds reads its source tensors
-   whole (a merge needs every expert) by byte range (hf_read.py: nothing stays mapped), cast to
+   whole (a merge needs every expert) by byte range (read.py: nothing stays mapped), cast to
    the model's dtype as from_pretrained casts them, runs the same converter and copies this
    rank's part of each result into the model (what the DTensor's placements give this rank, by
    local slicing). One group at a time: beside the model, at most one group's sources and
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from smp.checkpointing.packed import place
+from smp.checkpointing.format.packed import place
 from smp.errors import CheckpointError
 
 
@@ -97,7 +97,7 @@ def plan(matched: dict[str, tuple[str, str]], saved: dict[str, list[int]], conve
 def load(groups: list[Group], conversion: Any, folder: dict[str, Any], state: dict[str, torch.Tensor],
          source: str) -> None:
     """Fill the tensors of `state` (this rank's, keyed by model key) that `groups` convert, each
-    source read whole from `folder` (hf_checks.read_folder) by byte range: no file stays mapped
+    source read whole from `folder` (checks.read_folder) by byte range: no file stays mapped
     or open between reads, so only the group in hand is resident."""
     with torch.no_grad():
         for group in groups:

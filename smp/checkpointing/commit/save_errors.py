@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 
+from smp.checkpointing import storage
 from smp.errors import CheckpointError
 
 
@@ -50,7 +50,7 @@ def is_disk_full(e: BaseException, directory: str, needed: int) -> bool:
     if not any(isinstance(x, OSError) for x in causes(e)):
         return False  # not a write failure (an unpicklable `extra`, a planner error)
     try:
-        return shutil.disk_usage(directory).free < needed
+        return storage.current().free_bytes(directory) < needed
     except OSError:
         return False
 
@@ -60,7 +60,7 @@ def save_error(e: BaseException, path: str, needed: int) -> CheckpointError:
     directory = os.path.dirname(path)
     if is_disk_full(e, directory, needed):
         try:
-            free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB are free there"
+            free = f"{storage.current().free_bytes(directory) / 2**20:.1f} MiB are free there"
         except OSError:
             free = "free space unknown"
         return CheckpointError(

@@ -11,16 +11,16 @@ old `config.json` is removed with the old weights), so a run killed in between l
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import os
-import shutil
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp.checkpointing import atomic, hf
+from smp.checkpointing import hf, storage
+from smp.checkpointing.commit import atomic
 from smp.checkpointing.hf import DEFAULT_MAX_SHARD_BYTES
 from smp.errors import CheckpointError
 
@@ -42,7 +42,7 @@ def export_into(out_dir: str | os.PathLike, model: nn.Module, *, dims: Any = Non
     if rank0:
         # Left by an export that died mid-move: export_hf would refuse it (not a complete export).
         # Only rank 0 touches it, and export_hf's first step on rank 0 comes after this.
-        shutil.rmtree(staging, ignore_errors=True)
+        storage.current().remove_tree(staging, ignore_errors=True)
     hf.export_hf(staging, model, dtype=dtype, max_shard_bytes=max_shard_bytes, dims=dims)
     error = None
     if rank0:
@@ -61,23 +61,25 @@ def export_into(out_dir: str | os.PathLike, model: nn.Module, *, dims: Any = Non
 
 def _move_up(staging: str, out_dir: str) -> None:
     """(rank 0) Replace the model files of `out_dir` by the staged ones, config last."""
+    fs = storage.current()
     # Old weights of a previous save (another shard count) must not mix with the new ones.
-    for old in glob.glob(os.path.join(out_dir, "model*.safetensors")) + [
-            os.path.join(out_dir, _INDEX), os.path.join(out_dir, _CONFIG)]:
-        if os.path.isfile(old):
-            os.remove(old)
-    names = [n for n in os.listdir(staging) if n not in _SMP_FILES]
+    old_weights = [os.path.join(out_dir, n) for n in fs.list(out_dir) if fnmatch.fnmatchcase(n, "model*.safetensors")]
+    for old in old_weights + [os.path.join(out_dir, _INDEX), os.path.join(out_dir, _CONFIG)]:
+        if fs.is_file(old):
+            fs.remove(old)
+    names = [n for n in fs.list(staging) if n not in _SMP_FILES]
     last = [n for n in (_INDEX, _CONFIG) if n in names]
     for name in [n for n in names if n not in last] + last:
-        os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
-    shutil.rmtree(staging)
+        fs.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    fs.remove_tree(staging)
 
 
 def holds_other_files(out_dir: str | os.PathLike) -> bool:
     """Whether `out_dir` is a non-empty folder that is not an smp export (a run's output_dir),
     as rank 0 sees it, agreed by every rank. Collective when distributed."""
     path = os.path.abspath(os.fspath(out_dir))
-    verdict = (os.path.isdir(path) and not os.path.islink(path) and bool(os.listdir(path))
+    fs = storage.current()
+    verdict = (fs.is_dir(path) and not fs.is_link(path) and bool(fs.list(path))
                and not atomic.is_committed(path))
     if dist.is_initialized():
         box = [verdict]

@@ -4,9 +4,9 @@ A safetensors file is an 8-byte header length, a JSON header (per tensor: dtype,
 byte range of its row-major data) and the data. safetensors' own `safe_open` maps the whole file:
 every page a read touches counts in the process's resident memory (what RSS-based killers
 count, not only the page cache) until the file is closed, so a rank reading its half of each
-tensor of a one-file model keeps most of the file resident. Here every read is `os.preadv`
-into memory the caller owns: the kernel's page cache holds the file, the process holds only
-its tensors.
+tensor of a one-file model keeps most of the file resident. Here every read is a byte-range
+read (`storage.RangeFile`: `os.preadv`) into memory the caller owns: the kernel's page cache
+holds the file, the process holds only its tensors.
 
 A box of a tensor (a rank's shard) is read in slabs of whole rows of at most `CHUNK_BYTES`:
 a box that spans whole rows (FSDP's and row-wise TP's dim-0 shards) is one byte range, read
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
-from smp.regular_files import NotReadable, open_regular
+from smp.checkpointing import storage
+from smp.checkpointing.storage import RangeFile
+from smp.regular_files import NotReadable
 
 # What one read holds beside its destination: a slab of whole rows (or one row, if larger).
 # Larger slabs mean fewer system calls, more memory in flight.
@@ -71,18 +72,15 @@ def read_header(path: str) -> tuple[dict[str, Entry], dict[str, str]]:
     header is checked as safetensors checks it: known dtypes, each tensor's byte range the size
     its shape and dtype give, the ranges tiling the data exactly to the end of the file (a
     truncated file fails here). Raises Damaged, or NotReadable for what is not a regular file."""
-    fd = open_regular(path, follow_links=True)
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
+    with storage.current().open_ranges(path, follow_links=True) as file:
+        size = file.size()
+        head = file.read_at(8, 0)
         if len(head) < 8:
             raise Damaged(f"holds {size} bytes, fewer than a safetensors header length")
         length = int.from_bytes(head, "little")
         if length > HEADER_LIMIT or 8 + length > size:
             raise Damaged(f"declares a {length}-byte header in a {size}-byte file")
-        raw = _pread_bytes(fd, 8, length)
-    finally:
-        os.close(fd)
+        raw = _pread_bytes(file, 8, length)
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -131,27 +129,24 @@ def read_box(entry: Entry, offsets: list[int], sizes: list[int], out: torch.Tens
     if 0 in sizes:
         return
     try:
-        fd = open_regular(entry.file, follow_links=True)
+        file = storage.current().open_ranges(entry.file, follow_links=True)
     except NotReadable as e:
         raise Damaged(str(e)) from None
-    try:
-        with torch.no_grad():
-            _read(fd, entry.start, entry.shape, entry.dtype, list(offsets), list(sizes), out.detach())
-    finally:
-        os.close(fd)
+    with file, torch.no_grad():
+        _read(file, entry.start, entry.shape, entry.dtype, list(offsets), list(sizes), out.detach())
 
 
-def _read(fd: int, start: int, shape: tuple[int, ...], dtype: torch.dtype, offsets: list[int],
+def _read(file: RangeFile, start: int, shape: tuple[int, ...], dtype: torch.dtype, offsets: list[int],
           sizes: list[int], out: torch.Tensor) -> None:
     if not shape:
         buf = torch.empty((), dtype=dtype)
-        _pread_into(fd, start, buf)
+        _pread_into(file, start, buf)
         out.copy_(buf)
         return
     row = math.prod(shape[1:]) * dtype.itemsize  # bytes of one index of dim 0
     if row > CHUNK_BYTES:  # one index of dim 0 is itself large: read it as a tensor of its own
         for i in range(sizes[0]):
-            _read(fd, start + (offsets[0] + i) * row, shape[1:], dtype, offsets[1:], sizes[1:], out[i])
+            _read(file, start + (offsets[0] + i) * row, shape[1:], dtype, offsets[1:], sizes[1:], out[i])
         return
     whole_rows = list(offsets[1:]) == [0] * (len(shape) - 1) and list(sizes[1:]) == list(shape[1:])
     step = max(1, CHUNK_BYTES // max(row, 1))
@@ -160,30 +155,30 @@ def _read(fd: int, start: int, shape: tuple[int, ...], dtype: torch.dtype, offse
         target = out.narrow(0, i, n)
         at = start + (offsets[0] + i) * row
         if whole_rows and target.is_contiguous() and target.dtype == dtype and target.device.type == "cpu":
-            _pread_into(fd, at, target)  # straight into the destination: no copy
+            _pread_into(file, at, target)  # straight into the destination: no copy
             continue
         buf = torch.empty((n, *shape[1:]), dtype=dtype)
-        _pread_into(fd, at, buf)
+        _pread_into(file, at, buf)
         for dim in range(1, len(shape)):
             buf = buf.narrow(dim, offsets[dim], sizes[dim])
         target.copy_(buf)
 
 
-def _pread_into(fd: int, offset: int, t: torch.Tensor) -> None:
+def _pread_into(file: RangeFile, offset: int, t: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor `t` with the file's bytes from `offset`."""
     view = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        n = file.read_into(view[done:], offset + done)
         if n <= 0:
             raise Damaged(f"ends at byte {offset + done}, inside a tensor; it is truncated")
         done += n
 
 
-def _pread_bytes(fd: int, offset: int, length: int) -> bytes:
+def _pread_bytes(file: RangeFile, offset: int, length: int) -> bytes:
     parts, done = [], 0
     while done < length:
-        part = os.pread(fd, min(length - done, 1 << 24), offset + done)
+        part = file.read_at(min(length - done, 1 << 24), offset + done)
         if not part:
             raise Damaged(f"ends at byte {offset + done}, inside its header; it is truncated")
         parts.append(part)

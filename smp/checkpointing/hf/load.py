@@ -1,226 +1,41 @@
-"""Hugging Face interop: consolidated safetensors export, and streaming import.
+"""Hugging Face import: `load_hf` streams a local safetensors folder into a transformed model.
 
-Export: every rank writes its own shards through DCP's `HuggingFaceStorageWriter`; rank 0 then
-consolidates them, file to file, into `model-0000k-of-0000n.safetensors` plus
-`model.safetensors.index.json`, and writes the model's `config.json`, so `from_pretrained`
-loads the folder with no smp installed. Integer, bool and complex tensors (BatchNorm's
-`num_batches_tracked`), which that consolidation cannot write, go into one more file written by
-rank 0 (hf_nonfloat.py). The folder appears atomically, as a checkpoint does.
-
-Import: the files `from_pretrained` would read (hf_checks.py: the index followed, every file a
-regular file, every header checked), read by byte range with no memory mapping (hf_read.py):
-each rank reads exactly the boxes of each tensor that its shards hold, straight into them, so it
-holds its own shards plus one slab of at most hf_read.CHUNK_BYTES in flight, in private and in
-resident memory alike: the whole model is never materialised on one rank. A packed
-tensor-parallel weight (fused q|k|v), whose part on a rank is several boxes, is read box by box
-(packed.boxes). Tensors from_pretrained converts with transformers' own converters (per-expert
-tensors stacked, a fused qkv chunked) are read whole, one converter's sources at a time
-(hf_conversion.py).
+The files `from_pretrained` would read (checks.py: the index followed, every file a regular
+file, every header checked), read by byte range with no memory mapping (read.py): each rank
+reads exactly the boxes of each tensor that its shards hold, straight into them, so it holds its
+own shards plus one slab of at most read.CHUNK_BYTES in flight, in private and in resident
+memory alike: the whole model is never materialised on one rank. A packed tensor-parallel
+weight (fused q|k|v), whose part on a rank is several boxes, is read box by box (packed.boxes).
+Tensors from_pretrained converts with transformers' own converters (per-expert tensors stacked,
+a fused qkv chunked) are read whole, one converter's sources at a time (conversion.py). Keys
+are matched by from_pretrained's rules (`_plan_hf_load`); a meta model is allocated and filled.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-import shutil
 import warnings
-
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, Shard
 
-from smp.checkpointing import atomic, hf_conversion, hf_nonfloat, hf_read, metadata, packed
-from smp.checkpointing.collective import agree
-from smp.checkpointing.collective import is_dist as _dist
-from smp.checkpointing.collective import on_rank0
-from smp.checkpointing.collective import rank as _rank
-from smp.checkpointing.hf_checks import read_folder
-from smp.checkpointing.hf_read import Damaged, Stored
-from smp.regular_files import NotReadable
-from smp.checkpointing.pipeline import gather_over_pipeline, stages_view, whole_model_shapes
-from smp.checkpointing.sharded import _agree_on_tmp, wait
 from smp import _compat
+from smp.checkpointing.collective import agree
+from smp.checkpointing.collective import rank as _rank
+from smp.checkpointing.format import metadata, packed
+from smp.checkpointing.format.pipeline import stages_view, whole_model_shapes
+from smp.checkpointing.hf import conversion as hf_conversion
+from smp.checkpointing.hf.checks import read_folder
+from smp.checkpointing.hf.read import Damaged, Stored, load_host_bytes
+from smp.checkpointing.hf.ties import clean, tied_groups
+from smp.checkpointing.sharded import wait
 from smp.errors import CheckpointError, SMPWarning
-from smp.mesh import ParallelDims
+from smp.regular_files import NotReadable
 from smp.sharding.delayed_init import _user_class, has_meta_tensors
-
-# transformers' own default shard size for save_pretrained; smaller means more, smaller files.
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-
-
-# The most bytes of the whole model each rank's intermediate export file covers: DCP's writer
-# builds each file in memory (twice: safetensors' `save` copies every tensor, then the file),
-# so this bounds what an export holds beside the model. Smaller means more files to consolidate.
-PIECE_BYTES = 64 << 20
-
-
-class _PieceWriter(HuggingFaceStorageWriter):
-    """DCP's HF writer (every rank writes its shards, rank 0 consolidates them into the files of
-    `fqn_to_index_mapping`), with each rank's shards written as files of `piece_mapping` (at most
-    PIECE_BYTES of the whole model each, one tensor alone if larger) instead of one file per
-    output file: its in-memory build of each file is bounded, not the rank's whole share."""
-
-    def __init__(self, path: str, fqn_to_index_mapping: dict[str, int], piece_mapping: dict[str, int]) -> None:
-        super().__init__(path, fqn_to_index_mapping=fqn_to_index_mapping, save_distributed=True,
-                         enable_consolidation=True)
-        self.piece_mapping = piece_mapping
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return [dataclasses.replace(plan, storage_data={**plan.storage_data, "fqn_to_index_mapping": self.piece_mapping})
-                for plan in super().prepare_global_plan(plans)]
-
-
-def _file_index(sizes: list[tuple[str, int]], max_shard_bytes: int) -> dict[str, int]:
-    """Tensor name -> output file number (1-based), filling files in model order from each
-    tensor's (name, bytes)."""
-    mapping, index, used = {}, 1, 0
-    for name, size in sizes:
-        if used and used + size > max_shard_bytes:
-            index, used = index + 1, 0
-        mapping[name] = index
-        used += size
-    return mapping
-
-
-def _save_model_config(model: nn.Module, directory: str) -> None:
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(directory)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        try:
-            generation.save_pretrained(directory)
-        except Exception:  # noqa: BLE001 - optional; a model without one loads fine
-            pass
-
-
-def export_hf(
-    out_dir: str | os.PathLike,
-    model: nn.Module,
-    *,
-    dtype: torch.dtype | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    dims: ParallelDims | None = None,
-) -> str:
-    """`smp.checkpointing.export_hf` (see there), with the degrees of smp's run that the
-    export records passed in as `dims` (None under plain torch.distributed)."""
-    wait()
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    # A pipelined model: this rank's stages under the whole model's names; the pipeline's
-    # ranks write one folder together (each its stages' tensors, rank 0 consolidates).
-    model, _, pp_group = stages_view(model)
-    state = _one_copy_of_tied(get_model_state_dict(model), model)
-    shapes = whole_model_shapes(metadata.tensor_shapes(state), pp_group, f"export_hf {out_dir!r}")
-    # Integer, bool and complex tensors bypass torch's consolidation: checked whole and equal
-    # on every rank here (or refused by name), written by rank 0 as one more file.
-    nonfloat = hf_nonfloat.check({k: v for k, v in state.items() if not hf_nonfloat.consolidatable(v)},
-                                 pp_group, out_dir)
-    state = {k: v for k, v in state.items() if hf_nonfloat.consolidatable(v)}
-    # Packed tensor-parallel weights (fused q|k|v, gate|up) gathered whole: DCP cannot express
-    # a rank's part of them (packed.py). Collective: every rank gathers the same ones.
-    state = packed.whole_for_save(state, packed.packed_keys(state))
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-    sizes = [(k, v.numel() * v.element_size()) for k, v in state.items()]
-    scalars = {k: v.detach().cpu() for k, v in state.items() if v.dim() == 0}  # whole on every rank holding them
-    if pp_group is not None:  # every rank needs the whole model's file layout; rank 0 its scalars
-        parts = gather_over_pipeline((sizes, scalars), pp_group)
-        sizes = [entry for part, _ in parts for entry in part]
-        scalars = {k: v for _, part in parts for k, v in part.items()}
-    meta = metadata.build(shapes, False, "hf", dims)
-    tmp = _agree_on_tmp(out_dir, "hf")
-    try:
-        writer = _PieceWriter(tmp, _file_index(sizes, max_shard_bytes), _file_index(sizes, PIECE_BYTES))
-        dcp.save(state, storage_writer=writer, no_dist=not _dist())
-
-        def finish() -> None:
-            shutil.rmtree(os.path.join(tmp, "sharded"), ignore_errors=True)  # per-rank pieces
-            _write_scalars(tmp, scalars)
-            hf_nonfloat.write(tmp, nonfloat)  # renames the files: after _write_scalars read the index
-            _save_model_config(model, tmp)
-            metadata.write(tmp, meta)
-            atomic.commit(out_dir, kind="hf")
-
-        on_rank0(finish, f"committing export {out_dir!r}")
-    except BaseException:
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def _write_scalars(directory: str, scalars: dict[str, torch.Tensor]) -> None:
-    """Write the values of 0-d tensors (CLIP's `logit_scale`) into the consolidated files, in
-    place: torch's consolidation (checked on 2.13) reserves their bytes but writes zeros there.
-    Each one's bytes are located from its file's safetensors header (8-byte length, JSON)."""
-    if not scalars:
-        return
-    import json
-
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            file_of = json.load(f)["weight_map"]
-    else:
-        file_of = dict.fromkeys(scalars, "model.safetensors")
-    for name, value in scalars.items():
-        data = value.detach().cpu().reshape(1).contiguous().view(torch.uint8).numpy().tobytes()
-        with open(os.path.join(directory, file_of[name]), "r+b") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            start, end = json.loads(f.read(header_len))[name]["data_offsets"]
-            if end - start != len(data):
-                raise CheckpointError(f"export_hf: {name} takes {end - start} bytes in the file, its value {len(data)}")
-            f.seek(8 + header_len + start)
-            f.write(data)
-
-
-def _one_copy_of_tied(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """`state` with each tied parameter under one name only, as `save_pretrained` writes it
-    (safetensors refuses two names for one tensor): transformers' tie targets
-    (`all_tied_weights_keys`, {target: source}: `lm_head.weight` tied to the embedding) are
-    dropped, and `from_pretrained` ties them again from the source; outside transformers the
-    first name in model order is kept. Decided from the module tree, the same on every rank
-    (a pipeline stage holding one copy of a tie writes it only if it is the name kept)."""
-    targets = set((getattr(model, "all_tied_weights_keys", None) or {}).keys())
-    for names in _tied_groups(model):
-        present = [n for n in names if n in state]
-        keep = next((n for n in names if n not in targets), names[0])
-        for name in present:
-            if name != keep:
-                del state[name]
-    return state
-
-
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def _clean(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter used under two or more names (tied weights), in model order.
-    Decided from the module structure, so every rank reaches the same answer whatever its
-    shard holds."""
-    names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(_clean(name))
-    groups = [names for names in names_of.values() if len(names) > 1]
-    # A pipeline stage holding one copy of a tie across stages (smp.pipeline.tied): the whole
-    # model's names of it, which build_pipeline recorded on the stage.
-    for names in getattr(model, "_smp_tied_names", None) or ():
-        if [_clean(n) for n in names] not in groups:
-            groups.append([_clean(n) for n in names])
-    return groups
-
 
 def _from_pretrained_rules(model: nn.Module) -> tuple[str, re.Pattern | None, re.Pattern | None, set[str]]:
     """What `from_pretrained` forgives, for this model: its base-model prefix, the patterns of
@@ -230,13 +45,13 @@ def _from_pretrained_rules(model: nn.Module) -> tuple[str, re.Pattern | None, re
     and the names of the model's non-persistent buffers (never in a state dict, often in old files)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     unexpected, missing = _compat.keys_to_ignore_on_load(model)
-    buffers = [_clean(n) for n, _ in model.named_buffers()]
+    buffers = [clean(n) for n, _ in model.named_buffers()]
     if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
         unexpected.add(r"rotary_emb\.inv_freq")
     if any(n.endswith("position_ids") for n in buffers):
         unexpected.add(r"(^|\.)position_ids$")
     non_persistent = {
-        _clean(f"{module_name}.{name}" if module_name else name)
+        clean(f"{module_name}.{name}" if module_name else name)
         for module_name, module in model.named_modules()
         for name in _compat.non_persistent_buffers(module)
     }
@@ -338,7 +153,7 @@ def _plan_hf_load(
             f"{source} holds {key!r}, the model's {both[0]!r}, and also tensors that from_pretrained "
             f"converts into it; from_pretrained's result is not defined for such a file"
         )
-    tied_converted = sorted(n for names in _tied_groups(model) for n in names if n in produced)
+    tied_converted = sorted(n for names in tied_groups(model) for n in names if n in produced)
     if tied_converted:
         raise CheckpointError(
             f"{source}: {tied_converted[0]!r} is a tied parameter and a converted tensor; load_hf does not "
@@ -347,7 +162,7 @@ def _plan_hf_load(
         )
     present |= set(produced)
     tied_alias: set[str] = set()
-    for names in _tied_groups(model):
+    for names in tied_groups(model):
         in_file = [n for n in names if n in present]
         if not in_file:
             continue  # none of its names in the file: reported missing below
@@ -387,7 +202,7 @@ def _plan_hf_load(
 
 
 def _meta_names(model: nn.Module) -> list[str]:
-    return sorted({_clean(n) for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta})
+    return sorted({clean(n) for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta})
 
 
 def _computed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -397,7 +212,7 @@ def _computed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     module rebuilt from the config (so no loaded weight is touched). A buffer the init does not
     write, or writes differently from one run to the next, is refused by name."""
     wanted = {
-        _clean(f"{module_name}.{name}" if module_name else name)
+        clean(f"{module_name}.{name}" if module_name else name)
         for module_name, module in model.named_modules()
         for name, t in _compat.own_buffers(module).items()
         if t is not None and t.is_meta and name in _compat.non_persistent_buffers(module)
@@ -501,20 +316,20 @@ def _allocate(model: nn.Module, device: torch.device, buffers: dict[str, torch.T
     from smp.sharding.delayed_init import _real_values, _tensor_slots
 
     real = _real_values(model)
-    tied_before = _tied_groups(model)
+    tied_before = tied_groups(model)
     model.to_empty(device=device)
-    held = {_clean(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    held = {clean(n) for n, _ in model.named_parameters(remove_duplicate=False)}
     whole = all(len(held & set(g)) in (0, len(g)) for g in tied_before)  # False: a stage holds one copy of a tie
     if hasattr(model, "tie_weights") and whole:
         model.tie_weights()  # to_empty gives each name of a tied parameter its own tensor
-    if _tied_groups(model) != tied_before:
+    if tied_groups(model) != tied_before:
         raise CheckpointError(
             "load_hf: allocating the meta model untied its tied parameters "
-            f"({[g for g in tied_before if g not in _tied_groups(model)]}); build the model eagerly"
+            f"({[g for g in tied_before if g not in tied_groups(model)]}); build the model eagerly"
         )
     with torch.no_grad():
         for qualified, store, name in _tensor_slots(model):
-            value = real.get(qualified, buffers.get(_clean(qualified)))
+            value = real.get(qualified, buffers.get(clean(qualified)))
             if value is not None:
                 _local(store[name]).copy_(value)
 
@@ -607,9 +422,9 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
     saved = {key: stored.shape for key, stored in folder.items()}
     mapping, groups, ignored = _plan_hf_load(saved, stages[0], shapes, source, conversion)
     whole_mapping, mapping = mapping, {key: target for key, target in mapping.items() if target in local_shapes}
-    copies = _tied_copies(whole_mapping, mapping, _tied_groups(model), local_shapes)
+    copies = _tied_copies(whole_mapping, mapping, tied_groups(model), local_shapes)
     if on_meta:
-        read = (set(mapping.values()) | {n for g in _tied_groups(model) if set(g) & set(mapping.values()) for n in g}
+        read = (set(mapping.values()) | {n for g in tied_groups(model) if set(g) & set(mapping.values()) for n in g}
                 | {name for group in groups for name in group.targets})
         unread = [n for n in _meta_names(model) if n in state and n not in read]
         if unread:
@@ -628,7 +443,7 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
             f"(legacy buffers, ignorable or duplicate tied keys): {', '.join(ignored)}",
             SMPWarning, stacklevel=2,
         )
-    # Each rank reads the boxes of each tensor its shards hold, straight into them (hf_read.py:
+    # Each rank reads the boxes of each tensor its shards hold, straight into them (read.py:
     # no mapping, so only what it keeps stays resident); transformers' converters' sources are
     # read whole, one group at a time. Local reads: the only collective is the agreement that
     # every rank read everything (one rank's I/O error raises on all, none waits).
@@ -654,7 +469,7 @@ def eager_load_note(model: nn.Module, shard_ranks: int) -> str | None:
     sizes = [t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()]
     if not sizes:
         return None
-    figures = hf_read.load_host_bytes(sum(sizes), max(sizes), sum(sizes) // shard_ranks)
+    figures = load_host_bytes(sum(sizes), max(sizes), sum(sizes) // shard_ranks)
     return (f"smp.transform: this model was built whole on every rank ({figures['eager'] / 2**30:.2f} GiB of host "
             f"memory per rank before sharding, more while from_pretrained converts a file's dtype); built on the "
             f"meta device and filled by smp.transform(model, weights=FOLDER), each rank holds about "

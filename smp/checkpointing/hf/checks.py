@@ -13,7 +13,7 @@ rank in `open()`; a link to a regular file is followed, as the Hub's cache folde
 an index larger than `INDEX_LIMIT` or not a map of names to files, an index entry outside the
 folder, a key the index places in a file that does not hold it, a key held by two files (where
 from_pretrained silently takes the last), a truncated file or a header that does not parse
-(hf_read.read_header), and a forged `DCP_SHARDING_INFO`.
+(read.read_header), and a forged `DCP_SHARDING_INFO`.
 
 `DCP_SHARDING_INFO` (in a file's `__metadata__`, written by DCP's HF writer for sharded saves)
 maps a tensor name to `{"saved_offsets": [...]}`: where the file's piece sits in the whole
@@ -28,9 +28,10 @@ import math
 import os
 from typing import Any
 
-from smp.checkpointing.hf_read import Damaged, Entry, Stored, read_header
+from smp.checkpointing import storage
+from smp.checkpointing.hf.read import Damaged, Entry, Stored, read_header
 from smp.errors import CheckpointError
-from smp.regular_files import NotReadable, read_regular
+from smp.regular_files import NotReadable
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 SINGLE_FILE = "model.safetensors"
@@ -68,18 +69,19 @@ def read_folder(hf_dir: str) -> dict[str, Stored]:
 
 def weight_files(hf_dir: str) -> tuple[list[str], dict[str, str] | None]:
     """(the names of the files to read, relative to `hf_dir`; the index's weight_map or None)."""
-    if not os.path.isdir(hf_dir):
+    fs = storage.current()
+    if not fs.is_dir(hf_dir):
         raise CheckpointError(
             f"Hugging Face checkpoint {hf_dir!r} is not a directory (load_hf reads local folders only)"
         )
-    if os.path.lexists(os.path.join(hf_dir, SINGLE_FILE)):
+    if fs.lexists(os.path.join(hf_dir, SINGLE_FILE)):
         return [SINGLE_FILE], None
-    if os.path.lexists(os.path.join(hf_dir, INDEX_FILE)):
+    if fs.lexists(os.path.join(hf_dir, INDEX_FILE)):
         weight_map = _read_index(hf_dir)
         return sorted(set(weight_map.values())), weight_map
-    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    names = sorted(n for n in fs.list(hf_dir) if n.endswith(".safetensors"))
     if not names:
-        found = sorted(os.listdir(hf_dir))[:10]
+        found = sorted(fs.list(hf_dir))[:10]
         hint = (" it holds PyTorch .bin weights: convert them to safetensors first"
                 if any(n.endswith(".bin") for n in found) else "")
         raise CheckpointError(
@@ -94,7 +96,7 @@ def _read_index(hf_dir: str) -> dict[str, str]:
         return CheckpointError(f"Hugging Face checkpoint {hf_dir!r}: {INDEX_FILE} {why}")
 
     try:
-        index = json.loads(read_regular(os.path.join(hf_dir, INDEX_FILE), INDEX_LIMIT, follow_links=True))
+        index = json.loads(storage.current().read_regular(os.path.join(hf_dir, INDEX_FILE), INDEX_LIMIT, follow_links=True))
     except NotReadable as e:
         raise bad(str(e)) from None
     except (ValueError, RecursionError):

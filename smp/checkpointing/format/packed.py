@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from smp import _compat
-from smp.checkpointing.safe_read import SafeLoadPlanner
+from smp.checkpointing.trust.safe_read import SafeLoadPlanner
 from smp.errors import CheckpointError
 
 

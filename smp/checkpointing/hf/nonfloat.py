@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from smp.checkpointing import storage
 from smp.checkpointing.collective import is_dist, world
-from smp.checkpointing.pipeline import gather_over_pipeline
+from smp.checkpointing.format.pipeline import gather_over_pipeline
 from smp.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -107,9 +108,9 @@ def write(directory: str, values: dict[str, torch.Tensor]) -> None:
         return
     from safetensors.torch import save
 
+    fs = storage.current()
     index_path = os.path.join(directory, INDEX_FILE)
-    with open(index_path) as f:
-        index = json.load(f)
+    index = json.loads(fs.read_bytes(index_path))
     weight_map: dict[str, str] = index["weight_map"]
     clash = sorted(set(values) & set(weight_map))
     if clash:
@@ -124,18 +125,11 @@ def write(directory: str, values: dict[str, torch.Tensor]) -> None:
     total = n + 1
     renamed = {old: f"model-{k:05d}-of-{total:05d}.safetensors" for k, old in enumerate(files, start=1)}
     for old, new in renamed.items():
-        os.rename(os.path.join(directory, old), os.path.join(directory, new))
+        fs.rename(os.path.join(directory, old), os.path.join(directory, new))
     last = f"model-{total:05d}-of-{total:05d}.safetensors"
     data = save({k: v.clone() for k, v in values.items()}, metadata={"format": "pt"})  # own storage each
-    _write_synced(os.path.join(directory, last), data)
+    fs.write_file(os.path.join(directory, last), data, durable=True)
     index["weight_map"] = {**{k: renamed[v] for k, v in weight_map.items()}, **dict.fromkeys(values, last)}
     meta = index.setdefault("metadata", {})
     meta["total_size"] = int(meta.get("total_size", 0)) + sum(v.numel() * v.element_size() for v in values.values())
-    _write_synced(index_path, json.dumps(index, indent=2).encode())
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    fs.write_file(index_path, json.dumps(index, indent=2).encode(), durable=True)
