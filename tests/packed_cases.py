@@ -1,7 +1,7 @@
 """Packed-sequence cases (several documents back to back in one row, position ids restarting at
 each, no padding: TRL's packing, `DataCollatorWithFlattening`) that run on every rank of a
-RankPool (FSDP, TP + SP, context parallel, pipeline parallel and its compositions); each returns
-plain data.
+RankPool (FSDP, TP + SP, context parallel, pipeline parallel and its compositions, expert
+parallel); each returns plain data.
 
 The reference is one process running the whole packed batch through transformers' own model with
 no attention mask and `use_cache=False` (transformers then reads the documents from
@@ -23,6 +23,7 @@ from torch import nn
 import smp
 import smp.context_parallel as cp
 from smp.context_parallel import sharding, ulysses
+from smp.expert_parallel import is_expert_parallel
 from smp.pipeline import schedule
 from smp.testing.distributed import full_tensor, local_rows, world_mean
 from tests.context_parallel_cases import VOCAB, UserBlock, UserModel, build
@@ -251,17 +252,30 @@ def _positions_not_sent(broken: bool) -> Iterator[None]:
         schedule.pipeline_batch = saved
 
 
+def _step_model(kind: str) -> nn.Module:
+    """"llama" (tests/context_parallel_cases.py), or "mixtral" as tests/expert_parallel_cases.py
+    builds it, without the load-balancing loss (smp.step refuses it on several data ranks)."""
+    if kind == "mixtral":
+        from tests.expert_parallel_cases import build as build_moe
+
+        model = build_moe("mixtral")
+        model.config.output_router_logits = False
+        return model
+    return _build(kind)
+
+
 def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = False, labels: bool = True,
-                     broken: str | None = None) -> dict:
+                     broken: str | None = None, kind: str = "llama") -> dict:
     """smp.step (the one training step for every layout, pipeline included) on the packed batch
     vs one process: loss and every gradient over `steps` SGD steps. `use_cache` None: the batch
     does not say (the model's config then builds a cache in train mode). `labels` False: the
     batch carries none (both sides then train on input_ids, a document's last token predicting
-    the next one's first). `broken` "positions_not_sent": a pipeline's stages never see the
-    positions (negative control)."""
+    the next one's first). `broken` (negative controls): "positions_not_sent", a pipeline's
+    stages never see the positions; "global_positions", the smp run's positions do not restart.
+    `kind`: "llama" or "mixtral" (_step_model)."""
     with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
-        reference = _build("llama")
+        reference = _step_model(kind)
         model = copy.deepcopy(reference)
         batch = packed_batch()
         if not labels:
@@ -280,7 +294,10 @@ def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = Fals
         rows = {name: local_rows(t) for name, t in batch.items() if labels or name != "labels"}
         if use_cache is not None:
             rows["use_cache"] = use_cache
-        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses, "all_grads": sorted(ref_grads[0])}
+        if broken == "global_positions":
+            rows["position_ids"] = torch.arange(SEQ).expand_as(rows["input_ids"])
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses, "all_grads": sorted(ref_grads[0]),
+                  "expert_parallel_modules": sum(is_expert_parallel(m) for m in model.modules())}
         with _positions_not_sent(broken == "positions_not_sent"):
             for step in range(steps):
                 loss = smp.step(model, rows)

@@ -1,7 +1,7 @@
 """Packed sequences (several documents per row, position ids restarting at each, no padding)
 under FSDP, TP + sequence parallel, context parallel (ring, all-gather, Ulysses), pipeline
-parallel (alone, x TP, x FSDP, x CP) vs one process running transformers' own model on the
-whole packed batch.
+parallel (alone, x TP, x FSDP, x CP) and expert parallel (Mixtral, EP 2) vs one process running
+transformers' own model on the whole packed batch.
 
 The reference itself is checked first: the packed loss and gradients in one process equal the
 documents run one by one (measured: loss ~1e-7, gradients ~1e-8). Tolerances as
@@ -9,7 +9,7 @@ tests/test_context_parallel.py: 1e-5 on loss and every gradient. Negative contro
 that do not restart, attention that ignores the documents' boundaries, Ulysses heads put back in
 the wrong order, labels that let a document predict the next one's first token, pipeline stages
 not handed the positions (measured: loss 1.6e-2, gradients 7.2e-2; the exact runs: loss <= 4.8e-7,
-gradients <= 3.7e-8).
+gradients <= 3.7e-8), positions not restarting under EP (gradients 9.8e-2; exact: 2.8e-8).
 """
 
 from __future__ import annotations
@@ -192,3 +192,21 @@ def test_packed_pipeline_refusals_on_every_rank(ranks, layout, padded, jump, exp
     world, config = PIPELINE_LAYOUTS[layout]
     for message in ranks(world).run(packed_cases.step_error, config=config, padded=padded, jump=jump):
         assert message.startswith("UsageError") and expected in message, message
+
+
+# --- Expert parallel: the experts see tokens, the attention sees the documents ---------------
+
+EP2 = {"expert_parallel_degree": 2}
+
+
+def test_packed_expert_parallel_through_smp_step(ranks):
+    reports = ranks(2).run(packed_cases.step_equivalence, config=EP2, kind="mixtral", use_cache=None, timeout=300)
+    _check_every_gradient(reports)
+    assert all(r["expert_parallel_modules"] == 2 for r in reports), reports  # both layers' experts split
+
+
+def test_packed_expert_parallel_global_positions_are_caught(ranks):
+    """Negative control: under EP the smp run's positions do not restart at each document."""
+    reports = ranks(2).run(packed_cases.step_equivalence, config=EP2, kind="mixtral", use_cache=None,
+                           broken="global_positions", steps=1)
+    assert _broken(reports) > 1e-3, reports
