@@ -10,7 +10,7 @@ or together with the model; its final FULL_STATE_DICT save loads with from_pretr
 Negative controls: tests/test_sagemaker.py (cp with smp's position handling off; ranks with
 different save paths), the loader under TP without the session's group (refused on every rank),
 and a resume without the optimizer's state (caught).
-At world 4 (TP 2 x dp 2, TP 2 x cp 2, marked slow: ~50 s each) and world 8 (TP 2 x cp 2 x dp 2)
+At world 4 (TP 2 x dp 2, TP 2 x cp 2) and world 8 (TP 2 x cp 2 x dp 2), marked slow (20-30 s each),
 the per-TP-rank folders save and resume bitwise (losses and final parameters)."""
 
 from __future__ import annotations
