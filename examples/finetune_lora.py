@@ -5,9 +5,10 @@ adapters trained (the optimizer holds only them), the adapter saved as save_pret
     torchrun --standalone --nproc-per-node 2 examples/finetune_lora.py --config examples/configs/cpu_checkpointing.yaml
     torchrun --standalone --nproc-per-node 4 examples/finetune_lora.py --model /path/to/hf_model --config my.yaml
 
-Full or hybrid sharding and activation checkpointing apply to LoRA models; tensor parallelism
-is refused (adapters are not tensor-parallel). Output: --output-dir/adapter, which
-PeftModel.from_pretrained(base_model, folder) loads.
+Full or hybrid sharding, tensor parallelism (tensor_parallel_degree in --config: the base layers
+split by their plan, each adapter pair placed beside its layer) and activation checkpointing
+apply to LoRA models. Output: --output-dir/adapter, which PeftModel.from_pretrained(base_model,
+folder) loads.
 """
 
 from __future__ import annotations

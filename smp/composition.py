@@ -170,11 +170,6 @@ REFUSED = (
             "parallel work with the Trainer), or train with pipeline parallelism in a plain loop such as "
             "examples/finetune_causal_lm.py (docs/pipeline-parallel.md)",
             "tests/test_trainer.py::test_pipeline_parallel_is_refused_at_construction"),
-    Refusal(("peft", "tp"), "smp has proven LoRA adapters under tensor parallel through smp.transform in "
-            "a training loop of your own (tests/test_lora_tp.py), not yet through the Trainer",
-            "train the LoRA model with smp.transform and your own loop (docs/tensor-parallel.md), or use "
-            "tensor_parallel_degree: 1 (FSDP / hybrid sharding shards the base model and the adapters)",
-            "tests/test_composition.py::test_run_features_are_refused_by_the_integration"),
 )
 
 # Combinations a test proves equal to one process (loss and gradients), beyond each feature alone.
@@ -198,6 +193,8 @@ PROVEN = {
     ("pp", "compile"): "tests/test_pipeline.py::test_offloading_and_compile_inside_stages",
     ("pp", "offloading"): "tests/test_pipeline.py::test_offloading_and_compile_inside_stages",
     ("trainer", "tp", "dp"): "tests/test_trainer.py::test_tp_2_fsdp_2",
+    ("trainer", "peft", "tp"): "tests/test_trainer.py::test_lora_under_tp_matches_single_process",
+    ("trainer", "peft", "tp", "dp"): "tests/test_trainer.py::test_lora_under_tp_matches_single_process",
     ("hierarchical_gather", "dp"): "tests/test_parameter_gather.py::test_hierarchical_default_equals_flat_bitwise",
 }
 

@@ -35,7 +35,10 @@ class TokenRows(Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def build_model(lora: bool = False):
+def build_model(lora: bool | str = False):
+    """The tiny Llama; `lora` True: with PEFT's default LoRA (B = 0), "random": adapters beside
+    column-wise (q, v, up) and row-wise (o, down) layers, B random too, so that a wrong adapter
+    output moves the loss from the first step."""
     from smp.models import build_causal_lm, resolve_model_config
 
     torch.manual_seed(0)
@@ -43,8 +46,9 @@ def build_model(lora: bool = False):
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                 target_modules=["q_proj", "v_proj", "up_proj"]))
+        targets = ["q_proj", "v_proj", "up_proj"] + (["o_proj", "down_proj"] if lora == "random" else [])
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
+                                                 init_lora_weights=lora != "random"))
     return model
 
 
@@ -65,14 +69,19 @@ def losses_of(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def reference(output_dir: str, grad_accum: int = 1, steps: int = 4, lora: bool = False) -> dict:
+def reference(output_dir: str, grad_accum: int = 1, steps: int = 4, lora: bool | str = False) -> dict:
     """The single-process Trainer on the global batch (run in the test process, no smp)."""
     from transformers import Trainer
 
     model = build_model(lora)
     trainer = Trainer(model=model, args=training_args(output_dir, 1, grad_accum, steps), train_dataset=TokenRows())
     trainer.train()
-    return {"losses": losses_of(trainer), "logits": _logits(model)}
+    out = {"losses": losses_of(trainer), "logits": _logits(model)}
+    if lora:  # the trained adapters, and the folder the plain Trainer's save_model writes (PEFT's save_pretrained)
+        out["adapters"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        out["adapter_dir"] = os.path.join(output_dir, "final")
+        trainer.save_model(out["adapter_dir"])
+    return out
 
 
 def _probe() -> torch.Tensor:
@@ -92,16 +101,21 @@ def _logits(model) -> torch.Tensor:
     return out
 
 
-def train(config: dict, output_dir: str, grad_accum: int = 1, steps: int = 4, lora: bool = False,
+def train(config: dict, output_dir: str, grad_accum: int = 1, steps: int = 4, lora: bool | str = False,
           save_steps: int | None = None, resume: str | None = None, export: bool = False,
-          world_rank_data: bool = False, eval_probe: bool = False) -> dict:
+          world_rank_data: bool = False, eval_probe: bool = False, corrupt: str | None = None) -> dict:
     """SMPTrainer on this rank. Returns the per-step losses (and, on request, what else the test checks).
 
     `world_rank_data` puts back accelerate's own loader sharding (by world rank), which under
     tensor parallelism feeds the ranks of one TP group different rows: the negative control.
     `eval_probe` counts input tokens and predicts EVAL_ROWS rows after training (see _eval_probe).
+    `corrupt` "unreduced" (LoRA under TP, negative control): a row-wise layer's adapter output is
+    left as this rank's partial sum (tests/lora_tp_cases.py).
     """
+    import contextlib
+
     from smp.integrations import SMPTrainer
+    from tests.lora_tp_cases import _corrupted
 
     overrides = {}
     if save_steps:
@@ -111,8 +125,9 @@ def train(config: dict, output_dir: str, grad_accum: int = 1, steps: int = 4, lo
     with smp.session(config):
         dp = smp.state.dp_size
         model = build_model(lora)
-        trainer = SMPTrainer(model=model, args=training_args(output_dir, dp, grad_accum, steps, **overrides),
-                             train_dataset=TokenRows(), smp_config=config)
+        with _corrupted(corrupt) if corrupt else contextlib.nullcontext():  # smp transforms inside the constructor
+            trainer = SMPTrainer(model=model, args=training_args(output_dir, dp, grad_accum, steps, **overrides),
+                                 train_dataset=TokenRows(), smp_config=config)
         if world_rank_data:
             del trainer.accelerator.prepare_data_loader  # the class's method again
         trainer.train(resume_from_checkpoint=resume)
@@ -149,7 +164,7 @@ def _eval_probe(trainer) -> dict:
     }
 
 
-def _reload_diff(folder: str, logits: torch.Tensor, lora: bool) -> float:
+def _reload_diff(folder: str, logits: torch.Tensor, lora: bool | str) -> float:
     """from_pretrained on the saved folder (no smp) vs the trained model's logits."""
     from transformers import AutoModelForCausalLM
 
