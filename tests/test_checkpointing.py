@@ -383,6 +383,49 @@ def test_load_hf_convert_refuses_what_it_cannot_prove():
         plan(extra)
 
 
+def test_load_hf_places_experts_as_the_converter_stacks_them(monkeypatch, tmp_path):
+    """One process, no data read: for Mixtral's converters (MergeModulelist, then Concatenate w1
+    before w3) load_hf's plan places each expert's tensor in its own box of the fused result
+    (what lets a rank read only its experts, one at a time, into its shard), and that rule is
+    checked against transformers' converter run on small stand-ins. Negative control: a rule that
+    joins w3 before w1 disagrees with the converter, and the group falls back to converting
+    whole (placed is None). A converter that chunks (TIPSv2's fused qkv) is never placed."""
+    from smp.checkpointing.hf import conversion as hf_conversion
+    from smp.checkpointing.hf import load as hf_load
+    from tests.hf_conversion_cases import build
+
+    with torch.device("meta"):
+        model = build("mixtral")
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    saved = {k: s for k, s in shapes.items() if ".experts." not in k}
+    for layer in range(2):
+        for e in range(4):
+            for w, shape in (("w1", [32, 64]), ("w3", [32, 64]), ("w2", [64, 32])):
+                saved[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"] = shape
+    converter = hf_load._key_converter(model)
+    _, groups, _ = hf_load._plan_hf_load(saved, model, shapes, "folder", converter)
+    up = next(g for g in groups if g.layer.endswith("layers.0.mlp.experts.gate_up_proj"))
+    boxes = {p.key.split(".experts.")[1]: (p.offsets, p.sizes) for p in up.placed[up.layer]}
+    assert boxes["2.w1.weight"] == ([2, 0, 0], [1, 32, 64]) and boxes["2.w3.weight"] == ([2, 32, 0], [1, 32, 64]), boxes
+    assert all(g.placed is not None for g in groups), groups
+
+    original = hf_conversion._stacked
+    monkeypatch.setattr(hf_conversion, "_stacked", lambda steps, order, sources: original(steps, order[::-1], sources))
+    _, groups, _ = hf_load._plan_hf_load(saved, model, shapes, "folder", converter)
+    assert all(g.placed is None for g in groups if g.layer.endswith("gate_up_proj")), groups
+    monkeypatch.undo()
+
+    from smp.checkpointing.hf.checks import read_folder
+
+    build("tipsv2").save_pretrained(tmp_path / "tipsv2")  # fused qkv / w12 in the file
+    with torch.device("meta"):
+        vision = build("tipsv2")
+    vision_shapes = {k: list(v.shape) for k, v in vision.state_dict().items()}
+    fused = {k: stored.shape for k, stored in read_folder(str(tmp_path / "tipsv2")).items()}
+    _, groups, _ = hf_load._plan_hf_load(fused, vision, vision_shapes, "folder", hf_load._key_converter(vision))
+    assert groups and all(g.placed is None for g in groups), groups
+
+
 # --- packed tensor-parallel weights across a layout change -------------------------------------
 
 TP2 = {"tensor_parallel_degree": 2}

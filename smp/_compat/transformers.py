@@ -134,6 +134,9 @@ class CheckpointConversion:
       (`dot_natural_key`: `experts.2` before `experts.10`), which is the order a converter
       stacks its sources in.
     - `converter_of(pattern)`: the converter itself (the same object for each of its patterns).
+    - `stacking(pattern)`, `source_patterns(pattern)`: its operations when it only stacks
+      (`MergeModulelist`) and joins (`Concatenate`), and its source patterns in its own order
+      (the order a join takes them in).
 
     `model` must be the plain PreTrainedModel (not FSDP-wrapped: the lookup is by class name and
     module path); a meta-device copy does (operations that size their results read its shapes).
@@ -160,6 +163,28 @@ class CheckpointConversion:
 
     def converter_of(self, pattern: str) -> Any:
         return self._by_pattern[pattern]
+
+    def stacking(self, pattern: str) -> list[tuple[str, int]] | None:
+        """The operations of the converter owning `pattern` as [("stack", dim) | ("cat", dim)] when
+        each is exactly transformers' `MergeModulelist` (`torch.stack` of each source pattern's
+        list) or `Concatenate` (`torch.cat` over the source patterns in the converter's order);
+        None when any is something else. The converter's source patterns: `source_patterns(pattern)`."""
+        merge = _private("transformers.core_model_loading", "MergeModulelist")
+        concatenate = _private("transformers.core_model_loading", "Concatenate")
+        if merge is None or concatenate is None:
+            return None
+        steps = []
+        for op in self._by_pattern[pattern].operations:
+            if type(op) is merge:
+                steps.append(("stack", op.dim))
+            elif type(op) is concatenate:
+                steps.append(("cat", op.dim))
+            else:
+                return None
+        return steps
+
+    def source_patterns(self, pattern: str) -> list[str]:
+        return list(self._by_pattern[pattern].source_patterns)
 
     def convert(self, pattern: str, layer: str, sources: dict[str, list[tuple[str, Any]]]) -> dict[str, torch.Tensor]:
         converter = copy.deepcopy(self._by_pattern[pattern])

@@ -90,6 +90,41 @@ def boxes(t: DTensor) -> list[tuple[list[int], list[int], list[int]]]:
     return [([r[0] for r in box], [r[2] for r in box], [r[1] for r in box]) for box in itertools.product(*runs_per_dim)]
 
 
+def held_boxes(t: torch.Tensor) -> list[tuple[list[int], list[int], list[int]]]:
+    """(offsets in the whole tensor, sizes, offsets in the local tensor) of each box of `t` this
+    rank holds: the whole of a plain tensor, one box for a DTensor of Shard / Replicate
+    placements, `boxes` for any other (a packed or strided shard); none when this rank is
+    outside the DTensor's mesh."""
+    if not isinstance(t, DTensor):
+        return [([0] * t.dim(), list(t.shape), [0] * t.dim())]
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:
+        return []
+    box = _shard_box(t, coordinate)
+    return [box] if box is not None else boxes(t)
+
+
+def _shard_box(t: DTensor, coordinate: list[int]) -> tuple[list[int], list[int], list[int]] | None:
+    """The one box a DTensor of plain Shard / Replicate placements holds, from DTensor's split
+    rule (`torch.chunk`: ceil(size / n) per rank, the last ones shorter or empty), mesh dim by
+    mesh dim; None for other placements (a strided shard: `boxes`), or when the result does
+    not match the local shape (never guessed)."""
+    offsets, sizes = [0] * t.ndim, list(t.shape)
+    for mesh_dim, p in enumerate(t.placements):
+        if p.is_replicate():
+            continue
+        if type(p) is not Shard:
+            return None
+        dim, n, c = p.dim % t.ndim, t.device_mesh.size(mesh_dim), coordinate[mesh_dim]
+        chunk = -(-sizes[dim] // n)
+        start = min(c * chunk, sizes[dim])
+        offsets[dim] += start
+        sizes[dim] = min(chunk, sizes[dim] - start)
+    if sizes != list(t.to_local().shape):
+        return None
+    return offsets, sizes, [0] * t.ndim
+
+
 def place(value: torch.Tensor, into: torch.Tensor, name: str, source: str) -> None:
     """Copy this rank's part of the whole tensor `value` into `into`: all of it for a plain tensor;
     for a DTensor, the part its placements give this rank (`distribute_tensor` on the DTensor's

@@ -7,7 +7,8 @@ own shards plus one slab of at most read.CHUNK_BYTES in flight, in private and i
 memory alike: the whole model is never materialised on one rank. A packed tensor-parallel
 weight (fused q|k|v), whose part on a rank is several boxes, is read box by box (packed.boxes).
 Tensors from_pretrained converts with transformers' own converters (per-expert tensors stacked,
-a fused qkv chunked) are read whole, one converter's sources at a time (conversion.py). Keys
+a fused qkv chunked) are placed source by source into the rank's shards where the converter
+only stacks and joins, else read whole, one converter's sources at a time (conversion.py). Keys
 are matched by from_pretrained's rules (`_plan_hf_load`); a meta model is allocated and filled.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from smp import _compat
 from smp.checkpointing.collective import agree
@@ -347,43 +348,11 @@ def _read_boxes(folder: dict[str, Stored], mapping: dict[str, str], state: dict[
 
     for key in sorted(mapping, key=place):
         target = state[mapping[key]]
-        for offsets, sizes, local_at in _boxes(target):
+        for offsets, sizes, local_at in packed.held_boxes(target):
             out = _local(target)
             for dim, (at, size) in enumerate(zip(local_at, sizes)):
                 out = out.narrow(dim, at, size)
             folder[key].read(offsets, sizes, out)
-
-
-def _boxes(t: torch.Tensor) -> list[tuple[list[int], list[int], list[int]]]:
-    """(offsets in the whole tensor, sizes, offsets in the local tensor) of each box this rank holds."""
-    if not isinstance(t, DTensor):
-        return [([0] * t.dim(), list(t.shape), [0] * t.dim())]
-    coordinate = t.device_mesh.get_coordinate()
-    if coordinate is None:
-        return []
-    box = _shard_box(t, coordinate)
-    return [box] if box is not None else packed.boxes(t)
-
-
-def _shard_box(t: DTensor, coordinate: list[int]) -> tuple[list[int], list[int], list[int]] | None:
-    """The one box a DTensor of plain Shard / Replicate placements holds, from DTensor's split
-    rule (`torch.chunk`: ceil(size / n) per rank, the last ones shorter or empty), mesh dim by
-    mesh dim; None for other placements (a strided shard: packed.boxes), or when the result
-    does not match the local shape (never guessed)."""
-    offsets, sizes = [0] * t.ndim, list(t.shape)
-    for mesh_dim, p in enumerate(t.placements):
-        if p.is_replicate():
-            continue
-        if type(p) is not Shard:
-            return None
-        dim, n, c = p.dim % t.ndim, t.device_mesh.size(mesh_dim), coordinate[mesh_dim]
-        chunk = -(-sizes[dim] // n)
-        start = min(c * chunk, sizes[dim])
-        offsets[dim] += start
-        sizes[dim] = min(chunk, sizes[dim] - start)
-    if sizes != list(t.to_local().shape):
-        return None
-    return offsets, sizes, [0] * t.ndim
 
 
 def _default_device() -> torch.device:
@@ -397,7 +366,7 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
     `from_pretrained` loads for the same model: keys renamed by transformers' own conversion
     for the model's class (older layouts such as LLaVA's `language_model.model.*`), tensors
     transformers' own converters turn into the model's (per-expert weights stacked, a fused qkv
-    chunked: read whole, converted, this rank's part kept), legacy and ignorable keys skipped
+    chunked: this rank's part of each source placed, or read whole, converted, this rank's part kept), legacy and ignorable keys skipped
     (named in one warning on rank 0), base-model prefixes added or stripped, a tied weight in
     the file once or twice; any other mismatch raises CheckpointError.
 
@@ -445,7 +414,8 @@ def load_hf(hf_dir: str | os.PathLike, model: nn.Module, *, device: torch.device
         )
     # Each rank reads the boxes of each tensor its shards hold, straight into them (read.py:
     # no mapping, so only what it keeps stays resident); transformers' converters' sources are
-    # read whole, one group at a time. Local reads: the only collective is the agreement that
+    # placed the same way where they only stack and join, else read whole, one group at a
+    # time (conversion.py). Local reads: the only collective is the agreement that
     # every rank read everything (one rank's I/O error raises on all, none waits).
     problem = None
     try:
