@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from smp import composition, runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
@@ -27,11 +28,13 @@ from smp.fp8 import apply_fp8
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.pipeline import build_pipeline
 from smp.sharding import apply_fsdp, has_meta_tensors, materialize_meta_model
+from smp.sharding.batch_norm import refuse_batch_statistics
 from smp.sharding.delayed_init import materialize_stages
 from smp.sharding.fsdp import block_reshard_after_forward, fsdp_needed, settle_partial_grads, torch_dtype
 from smp.sharding.gradient_sync import install_gradient_sync, replicas_by_hook
 from smp.sharding.parameter_gather import gather_reshard_after_forward, install_parameter_gather
 from smp.tensor_parallel import apply_tensor_parallel
+from smp.vision.mixed_batches import install_image_path_on_every_rank
 
 
 def transform(
@@ -127,6 +130,7 @@ class Run:
     moe: MoEConfig
     blocks: list[nn.Module] = field(default_factory=list)
     cp_probe: AttentionProbe | None = None
+    fsdp_mesh: DeviceMesh | None = None  # what the FSDP units shard over (None: no units were built)
 
 
 @dataclass(frozen=True)
@@ -211,8 +215,24 @@ def _fsdp(model: nn.Module, run: Run) -> None:
             # -2): a unit merged over blocks whose outputs go partly unused fails in backward.
             or bool(run.anatomy.towers),
         )
+        if isinstance(model, FSDPModule):  # units built (not the one-rank cast layout)
+            run.fsdp_mesh = shard_mesh
     elif dims.tp > 1:
         settle_partial_grads(model)
+
+
+def _image_paths(model: nn.Module, run: Run) -> None:
+    """A multimodal model's image path (its vision tower's FSDP units) runs on every rank, also
+    where a batch holds no image: otherwise its units all-gather on some ranks only."""
+    mesh = run.fsdp_mesh
+    if mesh is not None and mesh.size() > 1:
+        install_image_path_on_every_rank(model, [mesh.get_group(i) for i in range(mesh.ndim)])
+
+
+def _batch_norm(model: nn.Module, run: Run) -> None:
+    """BatchNorm in training mode would normalise each rank's rows (or tokens) alone: refused
+    where the batch is split over data-parallel or context-parallel ranks."""
+    refuse_batch_statistics(model, run.dims.dp * run.dims.cp)
 
 
 def _gradient_sync(model: nn.Module, run: Run) -> None:
@@ -251,6 +271,8 @@ RECIPE = (
     Step("activation_offloading", lambda d, c: c.activation_offloading, _activation_offloading),
     Step("compile", lambda d, c: c.compile.enabled, _compile),  # per block, after TP and checkpointing
     Step("fsdp", _always, _fsdp),  # last wrapper: one unit per block, then the root
+    Step("image_paths", _always, _image_paths),  # a VLM's tower units gather on every rank (smp/vision)
+    Step("batch_norm", lambda d, c: d.dp * d.cp > 1, _batch_norm),  # batch statistics of one rank's rows refused
     Step("gradient_sync", _always, _gradient_sync),  # smp's collectives on every FSDP unit, when configured
     Step("parameter_gather", _always, _parameter_gather),  # quantised / in-node all-gathers, when configured
     Step("attention_probe", lambda d, c: d.cp > 1, _attention_probe),  # last: its hook runs before FSDP's root one

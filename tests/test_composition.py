@@ -147,12 +147,14 @@ def _steps(config: dict, world: int) -> list[str]:
 
 
 def test_recipe_steps_in_their_order():
-    always = ["load_balancing", "activation_checkpointing", "fsdp", "gradient_sync", "parameter_gather"]
-    assert _steps({}, 2) == always
+    before = ["load_balancing", "activation_checkpointing"]
+    after = ["fsdp", "image_paths", "batch_norm", "gradient_sync", "parameter_gather"]
+    assert _steps({}, 2) == before + after
+    assert _steps({}, 1) == before + [s for s in after if s != "batch_norm"]  # nothing splits the batch
     assert _steps({"tensor_parallel_degree": 2, "context_parallel_degree": 2, "compile": True}, 4) == [
-        "tensor_parallel", "context_parallel", *always[:2], "compile", *always[2:], "attention_probe"]
+        "tensor_parallel", "context_parallel", *before, "compile", *after, "attention_probe"]
     assert _steps({"expert_parallel_degree": 2, "activation_offloading": True}, 2) == [
-        "expert_parallel", *always[:2], "activation_offloading", *always[2:]]
+        "expert_parallel", *before, "activation_offloading", *after]
 
 
 def test_smp_plan_runs_the_recipe_and_its_order_matters(monkeypatch):

@@ -5,6 +5,7 @@ Each function returns plain data to the test."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import tempfile
@@ -305,12 +306,12 @@ def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), 
     a subprocess: gloo aborts the process) turns smp's fix off."""
     import copy
 
-    from smp.sharding import fsdp
+    recipe = importlib.import_module("smp.transform")  # the module (smp.transform is the function)
     from smp.testing.distributed import world_mean
 
-    original = fsdp.install_image_path_on_every_rank
+    original = recipe.install_image_path_on_every_rank
     if not run_tower_everywhere:
-        fsdp.install_image_path_on_every_rank = lambda model, groups: []
+        recipe.install_image_path_on_every_rank = lambda model, groups: []
     try:
         with smp.session(config):
             torch.manual_seed(0)
@@ -340,7 +341,7 @@ def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), 
                 opt.zero_grad(), ref_opt.zero_grad()
             return {**report, **_offloaded_by_tower(model)}
     finally:
-        fsdp.install_image_path_on_every_rank = original
+        recipe.install_image_path_on_every_rank = original
 
 
 def _offloaded_by_tower(model: torch.nn.Module) -> dict:

@@ -6,6 +6,7 @@ tower needs each image's size) and Pix2Struct (images as flattened patches): ref
 from __future__ import annotations
 
 import copy
+import importlib
 
 import torch
 import torch.distributed as dist
@@ -134,12 +135,12 @@ def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), 
     vs the same model in one process on the whole batch: {"loss_diff", "grad_diff", "losses",
     "tower_grad"} over `steps` SGD steps. `run_tower_everywhere=False` (negative control, run in
     a subprocess: gloo aborts the process) turns smp's fix off."""
-    from smp.sharding import fsdp
+    recipe = importlib.import_module("smp.transform")  # the module (smp.transform is the function)
     from smp.testing.distributed import world_mean
 
-    original = fsdp.install_image_path_on_every_rank
+    original = recipe.install_image_path_on_every_rank
     if not run_tower_everywhere:
-        fsdp.install_image_path_on_every_rank = lambda model, groups: []
+        recipe.install_image_path_on_every_rank = lambda model, groups: []
     try:
         with smp.session(config):
             torch.manual_seed(0)
@@ -166,7 +167,7 @@ def mixed_batch(config: dict, family: str, image_ranks: tuple[int, ...] = (0,), 
                 opt.zero_grad(), ref_opt.zero_grad()
             return report
     finally:
-        fsdp.install_image_path_on_every_rank = original
+        recipe.install_image_path_on_every_rank = original
 
 
 def _cast(batch: dict, dtype: torch.dtype) -> dict:

@@ -13,10 +13,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from smp._compat import dtensor_local
 from smp.config import canonical_dtype
 from smp.sharding.cast_params import CastParameters
-from smp.sharding.batch_norm import refuse_batch_statistics
 from smp.sharding.scalars import average_scalar_gradients, scalar_parameters
 from smp.tensor_parallel.styles import fsdp_shard_placement
-from smp.vision.mixed_batches import install_image_path_on_every_rank
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
@@ -173,7 +171,6 @@ def apply_fsdp(
             f"unit layout: no FSDP units (one-rank shard group): parameters cast to "
             f"{str(param_dtype).removeprefix('torch.')} at each forward, gradients cast to float32 as backward "
             f"produces them (what FSDP's per-block units compute, bitwise, without their per-unit host cost)")
-        refuse_batch_statistics(model, 1)
         return model
     groups = unit_groups([block_bytes(b) for b in blocks], block_parents(model, blocks),
                          min_unit_bytes if layout == "merged" else 0)
@@ -194,11 +191,6 @@ def apply_fsdp(
     # the last layer): keeping them gathered after forward saves one all-gather per step.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     average_scalar_gradients(scalars, mesh)
-    # A VLM's vision-tower units run on every rank, also where a batch holds no image
-    # (smp/vision/mixed_batches.py): otherwise they all-gather on some ranks only.
-    install_image_path_on_every_rank(model, [mesh.get_group(i) for i in range(mesh.ndim)] if mesh.size() > 1 else [])
-    # BatchNorm in training mode would normalise each rank's rows alone (smp/sharding/batch_norm.py).
-    refuse_batch_statistics(model, mesh.size())
     return model
 
 
