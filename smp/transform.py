@@ -79,7 +79,8 @@ def transform(
     _check_router_loss(model, moe_config or cfg.moe, st.dims.pp)
     # A meta model is split first; each rank then allocates and initialises only its own
     # stages (sharded, after the recipe), or fills them from `weights`.
-    layers = describe(model).require_pipeline().layers  # before the split takes the layers apart
+    anatomy = describe(model)  # the model's parts, found once, before the split takes the layers apart
+    layers = anatomy.require_pipeline().layers
     init_device = torch.device("cpu") if cfg.cpu_offload else st.device
     on_meta = has_meta_tensors(model)
 
@@ -88,7 +89,7 @@ def transform(
                                  materialize=materialize and not on_meta, moe_config=moe_config)
 
     dp_group = st.mesh["dp"].get_group() if st.dims.dp > 1 else None  # the step's target count is summed over it
-    pipelined = build_pipeline(model, cfg.pipeline, st.mesh["pp"].get_group(), st.device, recipe, dp_group)
+    pipelined = build_pipeline(model, cfg.pipeline, st.mesh["pp"].get_group(), st.device, recipe, dp_group, anatomy)
     if weights is not None:
         from smp.checkpointing.hf import load_hf
 

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from smp.anatomy import Anatomy
 from smp.composition import row
 from smp.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelineConfig, check_pipeline
 from smp.context_parallel.attention import ContextParallelSetup, active as active_context_parallel
@@ -328,15 +329,17 @@ class _GradientsInPlace(torch.autograd.Function):
 def build_pipeline(
     model: nn.Module, pipe: PipelineConfig, pp_group: dist.ProcessGroup, device: torch.device,
     recipe: Callable[[nn.Module], nn.Module], dp_group: dist.ProcessGroup | None = None,
+    anatomy: Anatomy | None = None,
 ) -> PipelinedModel:
     """Split `model` into pipeline stages, keep this rank's, and pass each through `recipe`
     (the rest of smp's parallelism: FSDP over the stage's data-parallel ranks, ...). `dp_group`:
-    the ranks of this stage that hold other rows of the batch (their gradients are averaged)."""
+    the ranks of this stage that hold other rows of the batch (their gradients are averaged).
+    `anatomy`: the picture of `model` already taken (smp/anatomy.py)."""
     pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     local = pipe.local_stages()
-    parts = find_parts(model)
+    parts = find_parts(model, anatomy)
     check_layer_chain(model, parts)
-    split = plan_split(model, pp * local, pipe.split)
+    split = plan_split(model, pp * local, pipe.split, parts)
     mine = [split[i] for i in stage_indices(pp_rank, pp, local, pipe.schedule in V_SCHEDULES)]
     ties = tied_names(model)  # before the recipe: FSDP / TP give each stage's copy its own tensor
     stages = [recipe(build_stage_module(model, parts, info)) for info in mine]

@@ -163,11 +163,12 @@ def _cost(module: nn.Module | None) -> tuple[int, int]:
     return params, 2 * (params - lookups - norms)
 
 
-def plan_split(model: nn.Module, num_stages: int, split: str | Sequence[int] = "auto") -> list[StageInfo]:
+def plan_split(model: nn.Module, num_stages: int, split: str | Sequence[int] = "auto",
+               parts: ModelParts | None = None) -> list[StageInfo]:
     """The layers of each of `num_stages` stages: `split` = "auto" balances forward FLOPs (then
     parameters) with the embedding on stage 0 and the norm and head on the last; a list gives
-    the first layer of every stage after the first."""
-    parts = find_parts(model)
+    the first layer of every stage after the first. `parts`: `find_parts(model)` already taken."""
+    parts = parts or find_parts(model)
     layers = _get(model, parts.layers)
     n = len(layers)
     if n < num_stages:
