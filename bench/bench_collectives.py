@@ -28,17 +28,16 @@ last 20 steps vs fp32 sync (written to collectives_train_w{N}_{backend}.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import rounds  # bench/ is on sys.path when run as a script
 import smp_collectives as sc
-from emulated_cluster import nic_tx_bytes  # bench/ is on sys.path when run as a script
+from emulated_cluster import nic_tx_bytes
 from smp_collectives import counters
 
 ALGORITHMS = ("default", "ring", "int8", "fp8")
@@ -194,7 +193,7 @@ def main() -> None:
     args = parser.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    emulated_mbit = os.environ.get("SMP_EMULATED_LINK_MBIT")  # set by bench/emulated_cluster.py
+    emulated_mbit = rounds.emulated_link_mbit()
     if emulated_mbit:
         args.link_gbps = float(emulated_mbit) / 1e3
     dist.init_process_group(backend)
@@ -214,32 +213,28 @@ def main() -> None:
             print(f"training, tiny Llama, world {n}, {args.train_steps} AdamW steps, mean loss of the last 20:")
             for name, v in final.items():
                 print(f"{name:>24}: {v:.4f} ({100 * (v / final['fp32'] - 1):+.2f}% vs fp32)")
-            out = Path(__file__).parent / "results" / f"collectives_train_w{n}_{backend}.json"
-            out.write_text(json.dumps(dict(world_size=n, steps=args.train_steps, final_loss=final), indent=2))
-            print(f"wrote {out}")
+            rounds.write_result(f"collectives_train_w{n}_{backend}",
+                                dict(world_size=n, steps=args.train_steps, final_loss=final), link_suffix=False)
     if rank == 0 and rows:
         where = f"emulated nodes, {emulated_mbit} Mbit/s NICs" if emulated_mbit else f"link model {args.link_gbps} Gbit/s"
         print(f"reduce-scatter, world {n}, {backend}, block {args.block}, {where}")
         print(f"{'MiB':>5} {'algorithm':>9} {'ms':>9} {'x default':>9} {'bytes/rank':>11} {'x fp32':>7} {'link ms':>8} {'NIC tx':>11}")
         for r in rows:
             mark = "" if r["bytes_measured"] else "*"
-            nic = f"{r['nic_tx_bytes']:>11.0f}" if r["nic_tx_bytes"] is not None else f"{'-':>11}"
             print(f"{r['size_mib']:>5g} {r['algorithm']:>9} {r['ms']:>9.2f} {r['time_vs_default']:>9.2f} "
-                  f"{r['bytes_per_rank']:>10d}{mark:1} {r['bytes_vs_fp32']:>7.3f} {r['link_ms']:>8.2f} {nic}")
+                  f"{r['bytes_per_rank']:>10d}{mark:1} {r['bytes_vs_fp32']:>7.3f} {r['link_ms']:>8.2f} "
+                  f"{rounds.nic_cell(r['nic_tx_bytes'], 11)}")
         print("* (N-1)/N x S: the process group's collective is not instrumented")
         if kernels:
             print(f"\nquantisation kernels on {device.type}, {args.kernel_mib:g} MiB fp32 input")
         for k in kernels:
             print(f"{k['kind']:>5} {k['impl']:>7}: quantize+EF {k['quantize_ef_gbps']:.2f} GB/s "
                   f"({k['quantize_ef_ms']:.1f} ms), dequant+acc {k['dequant_acc_gbps']:.2f} GB/s ({k['dequant_acc_ms']:.1f} ms)")
-        suffix = f"_emulated{emulated_mbit}mbit" if emulated_mbit else ""
-        out = Path(__file__).parent / "results" / f"collectives_w{n}_{backend}{suffix}.json"
-        out.write_text(json.dumps(dict(
+        rounds.write_result(f"collectives_w{n}_{backend}", dict(
             world_size=n, backend=backend, emulated_link_mbit=float(emulated_mbit) if emulated_mbit else None,
             block=args.block, link_gbps=args.link_gbps, reps=args.reps,
             cpu_threads=torch.get_num_threads(), torch=torch.__version__, reduce_scatter=rows, kernels=kernels,
-        ), indent=2))
-        print(f"wrote {out}")
+        ))
     dist.barrier()
     dist.destroy_process_group()
 

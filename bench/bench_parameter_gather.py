@@ -23,20 +23,17 @@ Writes bench/results/param_gather_w{N}[_emulated{M}mbit].json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import smp
-from emulated_cluster import nic_tx_bytes  # bench/ is on sys.path when run as a script
+import rounds  # bench/ is on sys.path when run as a script
 from smp.planning.communication import comm_bytes_per_step, parameter_gather_settings
 from smp.sharding.parameter_gather import parameter_gather_bytes
-from smp.testing.models import tiny_llama_config
 
 # name -> (parameter_gather, gradient_sync)
 SETTINGS = {
@@ -83,12 +80,7 @@ def throughput(cols: int = 2**21, n: int = 4, block: int = 256, repeats: int = 7
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--throughput", action="store_true", help="only Q / D of the CPU path, no ranks")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps-per-round", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=32)
+    rounds.add_model_arguments(parser, steps_per_round=2)
     parser.add_argument("--only", nargs="*", default=None, help="settings to run (default: all)")
     args = parser.parse_args()
     if args.throughput:
@@ -101,71 +93,43 @@ def main() -> None:
     settings = {k: v for k, v in SETTINGS.items() if args.only is None or k in args.only or k == "default"}
     if local == world:  # one node: hierarchical has nothing to keep in the node (smp refuses it)
         settings = {k: v for k, v in settings.items() if "hier" not in k}
-    cfg = tiny_llama_config(
-        hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=8, num_key_value_heads=8, vocab_size=args.vocab, max_position_embeddings=args.seq,
-    )
+    cfg = rounds.llama_config(args)
     from transformers import LlamaForCausalLM
 
-    models, optims, planned, bf16_same_units = {}, {}, {}, {}
-    for name, (gather, sync) in settings.items():
-        smp.init({"mixed_precision": {"param_dtype": "bf16"}, "parameter_gather": gather, "gradient_sync": sync})
-        torch.manual_seed(0)  # the same initial weights for every setting
-        model = smp.transform(LlamaForCausalLM(cfg))
+    planned, bf16_same_units = {}, {}
+
+    def plan(name: str, model: torch.nn.Module) -> None:
         planned[name] = comm_bytes_per_step(model, smp.state.config, smp.state.dims)["all_gather"]
         # The exact bf16 gather of the same FSDP units, flat (FSDP may group units differently
         # when nothing custom is installed, so the default row's units can differ).
         bf16_same_units[name] = parameter_gather_settings(model, smp.state.config, flat=True)["default"]
-        models[name] = (model, smp.state.dp_rank, smp.state.dp_size)
-        optims[name] = torch.optim.SGD(model.parameters(), lr=1e-2)
-        smp.shutdown()
+
+    models = rounds.build_models({
+        name: {"mixed_precision": {"param_dtype": "bf16"}, "parameter_gather": gather, "gradient_sync": sync}
+        for name, (gather, sync) in settings.items()
+    }, cfg, inspect=plan)
     params = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    timed = rounds.interleaved_rounds(models, args.rounds, args.steps_per_round, args.vocab, args.seq,
+                                      parameter_gather_bytes)
 
-    times = {name: [] for name in settings}
-    nic = {name: [] for name in settings}
-    counted = {name: [] for name in settings}
-    last_loss = {}
-    for rnd in range(args.rounds + 1):  # round 0 warms up
-        for name in settings:
-            model, dp_rank, dp_size = models[name]
-            for step in range(args.steps_per_round):
-                g = torch.Generator().manual_seed(1000 * rnd + step)
-                batch = torch.randint(0, args.vocab, (dp_size, args.seq), generator=g)[dp_rank : dp_rank + 1]
-                parameter_gather_bytes(reset=True)
-                dist.barrier()
-                tx0, t0 = nic_tx_bytes(), time.perf_counter()
-                loss = model(input_ids=batch, labels=batch).loss
-                loss.backward()
-                optims[name].step()
-                optims[name].zero_grad()
-                dist.barrier()
-                dt = time.perf_counter() - t0
-                if rnd:
-                    times[name].append(dt)
-                    if tx0 is not None:
-                        nic[name].append(nic_tx_bytes() - tx0)
-                    counted[name].append(parameter_gather_bytes()["total"])
-                last = loss.detach().float().clone()
-                dist.all_reduce(last)
-                last_loss[name] = float(last) / world
-
-    base = statistics.median(times["default"])
+    base = timed.median_step_s("default")
     bf16_gather = planned["default"]
+    loss = timed.final_loss
     rows = []
     for name, (gather, sync) in settings.items():
-        med = statistics.median(times[name])
+        med = timed.median_step_s(name)
         # Counted where smp's comm gathers; FSDP2's own (default, flat) by the plan's formula.
-        gathered = statistics.median(counted[name]) if gather else planned[name]
+        gathered = timed.counted_per_step(name) if gather else planned[name]
         rows.append(dict(
             setting=name, parameter_gather=gather, gradient_sync=sync, step_s=med, vs_default=med / base,
-            speedup=base / med, nic_tx_bytes_per_step=statistics.median(nic[name]) if nic[name] else None,
+            speedup=base / med, nic_tx_bytes_per_step=timed.nic_tx_bytes_per_step(name),
             all_gather_bytes_per_rank=gathered, all_gather_vs_bf16=gathered / bf16_same_units[name],
             all_gather_vs_default_row=gathered / bf16_gather, bf16_gather_same_units=bf16_same_units[name],
-            planned_all_gather=planned[name], final_loss=last_loss[name],
-            loss_vs_default=last_loss[name] / last_loss["default"] - 1,
+            planned_all_gather=planned[name], final_loss=loss[name],
+            loss_vs_default=loss[name] / loss["default"] - 1,
         ))
     if rank == 0:
-        mbit = os.environ.get("SMP_EMULATED_LINK_MBIT")
+        mbit = rounds.emulated_link_mbit()
         where = f"emulated nodes ({world // local} x {local} ranks), {mbit} Mbit/s NICs" if mbit else "one host, loopback"
         print(f"training step, world {world} full shard, {where}; Llama {params / 1e6:.1f}M params (hidden "
               f"{args.hidden}, {args.layers} layers, vocab {args.vocab}), bf16 params, seq {args.seq}, 1 sequence "
@@ -173,18 +137,13 @@ def main() -> None:
         print(f"{'setting':>22} {'step s':>8} {'speedup':>8} {'NIC tx/step':>12} {'gather B/rank':>14} "
               f"{'x bf16':>7} {'loss':>8} {'vs default':>10}")
         for r in rows:
-            nic_s = f"{r['nic_tx_bytes_per_step']:>12.0f}" if r["nic_tx_bytes_per_step"] is not None else f"{'-':>12}"
-            print(f"{r['setting']:>22} {r['step_s']:>8.3f} {r['speedup']:>8.2f} {nic_s} "
+            print(f"{r['setting']:>22} {r['step_s']:>8.3f} {r['speedup']:>8.2f} "
+                  f"{rounds.nic_cell(r['nic_tx_bytes_per_step'], 12)} "
                   f"{r['all_gather_bytes_per_rank']:>14.0f} {r['all_gather_vs_bf16']:>7.3f} {r['final_loss']:>8.4f} "
                   f"{100 * r['loss_vs_default']:>+9.3f}%")
-        suffix = f"_emulated{mbit}mbit" if mbit else ""
-        out = Path(__file__).parent / "results" / f"param_gather_w{world}{suffix}.json"
-        out.write_text(json.dumps(dict(
-            world_size=world, ranks_per_node=local, emulated_link_mbit=float(mbit) if mbit else None,
-            params=params, model=dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab, seq=args.seq),
-            rounds=args.rounds, steps_per_round=args.steps_per_round, torch=torch.__version__, rows=rows,
-        ), indent=2))
-        print(f"wrote {out}")
+        rounds.write_result(f"param_gather_w{world}", dict(
+            world_size=world, ranks_per_node=local, **rounds.run_fields(args, params), rows=rows,
+        ))
     dist.barrier()
     dist.destroy_process_group()
 
