@@ -184,6 +184,7 @@ PROVEN = {
     ("cp", "hsdp"): "tests/test_context_parallel.py::test_with_hybrid_shard_and_mixed_precision_offload",
     ("ep", "dp"): "tests/test_expert_parallel.py::test_matches_single_process",
     ("aux_loss", "dp"): "tests/test_expert_parallel.py::test_fsdp_without_ep_makes_the_aux_loss_global",
+    ("aux_loss", "ep"): "tests/test_step.py::test_router_loss_matches_one_process",
     ("pp", "dp"): "tests/test_pipeline.py::test_pp2_x_fsdp2_matches_one_process",
     ("pp", "tp"): "tests/test_pipeline_compose.py::test_pp2_x_tp2_matches_one_process",
     ("pp", "tp", "dp"): "tests/test_pipeline_compose.py::test_pp2_x_tp2_x_fsdp2_matches_one_process",

@@ -21,7 +21,8 @@ from smp import runtime
 from smp.context_parallel import sharding as context_parallel_sharding
 from smp.context_parallel.attention import ContextParallelSetup, active as active_context_parallel
 from smp.context_parallel.hf import is_hf_model
-from smp.errors import UsageError
+from smp.errors import ConfigError, UsageError
+from smp.expert_parallel.load_balancing import summed_over
 from smp.mesh import device_type_for
 from smp.pipeline import schedule as pipeline_schedule
 from smp.pipeline.schedule import PipelinedModel
@@ -253,14 +254,26 @@ def _with_labels(batch: Mapping[str, Any], caller: str) -> dict[str, Any]:
 
 def _check_auxiliary_loss(model: nn.Module, data_ranks: int, caller: str) -> None:
     """A mixture-of-experts load-balancing loss is a function of the routing of every token of
-    the batch: the mean of its per-rank values is not the one-process value."""
+    the batch: the mean of its per-rank values is not the one-process value. smp.transform sums
+    its router statistics over the data-parallel ranks (expert_parallel/load_balancing.py), which
+    makes every rank's value and, once FSDP averages the ranks' gradients, its gradient the
+    one-process ones; refused where that sum is not installed, or cannot be (context parallel:
+    the composition table's reason and fix)."""
     config = getattr(model, "config", None)
-    if data_ranks > 1 and getattr(config, "output_router_logits", False):
+    if data_ranks == 1 or not getattr(config, "output_router_logits", False):
+        return
+    summed = summed_over(model)
+    if isinstance(summed, str):
+        raise ConfigError(f"{caller}: {summed}")
+    if summed is None:
         raise UsageError(
             f"{caller}: {type(model).__name__} adds the experts' load-balancing loss "
             f"(config.output_router_logits=True), computed over each rank's tokens, which over {data_ranks} "
-            f"data-parallel ranks is not the whole batch's; set model.config.output_router_logits = False, or "
-            f"compute it yourself in a loss_fn"
+            f"data-parallel ranks is not the whole batch's, and smp has not summed its router statistics over "
+            f"the ranks (it does for a model smp.transform made whose family uses transformers' "
+            f"load_balancing_loss_func); pass the model smp.transform returned, set "
+            f"model.config.output_router_logits = False, or add to a loss_fn "
+            f"smp.expert_parallel.global_load_balancing_loss(router_logits, num_experts, top_k, group=...)"
         )
 
 

@@ -10,12 +10,16 @@ import torch.nn.functional as F
 
 import smp
 from smp.context_parallel import sharding
+from smp.expert_parallel import load_balancing
 from smp.pipeline import schedule
 from smp.testing.distributed import full_tensor
 from smp.testing.models import TinyTransformer, random_batch
 from tests.pipeline_cases import VOCAB, tiny_model
 
 ROWS, SEQ, IGNORE = 4, 16, -100
+# Mixtral's own coefficient is 0.001; 0.1 makes its load-balancing term move the loss and the
+# router gradients far beyond the tolerance when it is wrong (the negative control).
+AUX_COEF = 0.1
 LENGTHS = (16, 3, 9, 12)  # right padding: the data-parallel ranks and micro-batches hold different target counts
 
 
@@ -61,7 +65,18 @@ def _pad_with_targets(pad_rows):
     return broken
 
 
+def _per_rank_router_statistics(global_loss):
+    """Negative control: the load-balancing loss from this rank's router statistics only (the
+    sums over the data-parallel ranks left out: transformers' per-rank value)."""
+
+    def broken(*args, group=None, **kwargs):
+        return global_loss(*args, **kwargs)
+
+    return broken
+
+
 BROKEN = {
+    "per_rank_router_statistics": (load_balancing, "global_load_balancing_loss", _per_rank_router_statistics),
     "per_rank_count": (schedule, "global_target_count", lambda saved: _per_rank_count),
     "cut_without_load_balance": (sharding, "shard_batch", _cut_without_load_balance),
     "pad_with_targets": (schedule, "_pad_rows", _pad_with_targets),
@@ -113,23 +128,36 @@ def token_sum_loss(outputs, batch: dict) -> torch.Tensor:
     return total / batch["num_items_in_batch"]
 
 
+def with_router_loss(model):
+    """A MoE model whose loss includes its load-balancing term (config.output_router_logits)."""
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = model.config.router_aux_loss_coef = AUX_COEF
+    return model
+
+
 def equivalence(config: dict, kind: str = "llama", steps: int = 2, broken: str | None = None,
-                layers: int = 2, loss_fn: str | None = None) -> dict:
+                layers: int = 2, loss_fn: str | None = None, router_loss: bool = False) -> dict:
     """The same loop under `config` and in one process on the same init and global batches:
     `smp.step` + SGD for `steps` steps, `smp.evaluate` on held-out rows after each. The largest
-    loss (every rank's returned value), gradient and evaluation differences."""
+    loss (every rank's returned value), gradient and evaluation differences. `router_loss`: a
+    MoE model's loss includes its load-balancing term (`aux`: the one-process values)."""
     with _Broken(broken), smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
         reference = tiny_model(kind, layers=layers)
+        if router_loss:
+            with_router_loss(reference)
         model = smp.transform(copy.deepcopy(reference))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        report = {"loss_diff": 0.0, "grad_diff": 0.0, "eval_diff": 0.0, "losses": []}
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "eval_diff": 0.0, "losses": [], "aux": []}
         for i in range(steps):
             batch, held_out = padded_batch(seed=100), padded_batch(seed=7 + i)  # one batch: the loss falls
             if kind == "plain":  # a user's module takes no mask: the labels alone mark the padding
                 batch.pop("attention_mask"), held_out.pop("attention_mask")
             loss = smp.step(model, data_rows(batch), loss_fn=LOSS_FNS[loss_fn])  # the loop every layout runs
+            if router_loss:
+                with torch.no_grad():
+                    report["aux"].append(float(reference(**batch).aux_loss))
             ref_loss = _reference_loss(reference, batch)
             ref_loss.backward()
             ref_loss = ref_loss.detach()
@@ -241,14 +269,18 @@ def _call_errors(model, batch: dict) -> dict:
     return out
 
 
-def step_errors(config: dict, kind: str = "llama") -> dict:
-    """What smp.step says to what it cannot make equal to one process, on this rank."""
+def step_errors(config: dict, kind: str = "llama", router_loss: str | None = None) -> dict:
+    """What smp.step says to what it cannot make equal to one process, on this rank.
+    `router_loss`: a MoE model's load-balancing loss turned on "before" smp.transform, or
+    "after" it (where smp.transform would have refused it)."""
     with smp.session(config):
         torch.manual_seed(0)
         model = tiny_model(kind, layers=2)
-        if kind == "mixtral":
-            model.config.output_router_logits = True
+        if router_loss == "before":
+            with_router_loss(model)
         model = smp.transform(model)
+        if router_loss == "after":
+            with_router_loss(model)
         batch = data_rows(padded_batch(seed=5))
 
         def error(extra: dict) -> str:
@@ -259,5 +291,10 @@ def step_errors(config: dict, kind: str = "llama") -> dict:
             return ""
 
         packed = torch.arange(SEQ).remainder(8).expand_as(batch["input_ids"])
-        return {"plain": error({}), "unknown_key": error({"token_type_ids": torch.zeros_like(batch["input_ids"])}),
-                "packed_positions": error({"position_ids": packed})}
+        out = {"plain": error({}), "unknown_key": error({"token_type_ids": torch.zeros_like(batch["input_ids"])}),
+               "packed_positions": error({"position_ids": packed})}
+        if router_loss:  # as if smp.transform had not summed the router statistics over the ranks
+            summed = model.__dict__.pop("_smp_load_balancing", None)
+            out["not_summed"] = error({})
+            model._smp_load_balancing = summed
+        return out

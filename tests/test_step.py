@@ -3,18 +3,21 @@
 The loop (tests/step_cases.equivalence) is the same for every config: this rank's data-parallel
 rows of a right-padded global batch (the data-parallel ranks and micro-batches hold different
 target counts) -> smp.step -> SGD, and smp.evaluate on held-out rows; the tiny Llama (2 layers,
-hidden 64, GQA) or Mixtral (4 experts) vs the same loop in one process.
+hidden 64, GQA) or Mixtral (4 experts, with or without its load-balancing loss) vs the same
+loop in one process.
 
 Tolerances (fp32): 1e-5 on every rank's loss, on every gradient and on the evaluation loss.
 Negative controls: each rank's loss normalised by its own rows' target count (FSDP 2, EP 2),
 rows cut for context parallel without the load-balanced layout (CP 2), the rows that pad a
-ragged pipeline batch keeping their targets (PP 2); each caught.
+ragged pipeline batch keeping their targets (PP 2), a MoE load-balancing loss from each rank's
+own router statistics (FSDP 2, EP 2, EP 2 x FSDP 2); each caught.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from smp import composition
 from tests import step_cases as cases
 
 TOL = 1e-5
@@ -74,6 +77,36 @@ def test_expert_parallel_negative_control_is_caught(ranks):
     assert max(r["grad_diff"] for r in reports) > 100 * TOL, reports
 
 
+# Mixtral with its load-balancing loss (output_router_logits=True, coefficient 0.1; the term is
+# ~2.0) through smp.step vs one process, 2 SGD steps on the padded batch. Measured (loss /
+# gradients / evaluation): FSDP 2 0 / 2.6e-8 / 4.8e-7, EP 2 0 / 3.0e-8 / 4.8e-7, EP 2 x FSDP 2
+# 4.8e-7 / 3.7e-8 / 1.4e-6. Negative control, each rank's own router statistics (not summed over
+# the data-parallel ranks): 1.2e-4 / 2.2e-3 at FSDP 2 and EP 2, 2.4e-3 / 1.0e-2 at EP 2 x FSDP 2.
+# World 2 cases take under a second once the pool is warm; world 4 about 10 s with its start.
+ROUTER_LOSS = [
+    pytest.param(2, FSDP2, id="fsdp2"),
+    pytest.param(2, EP2, id="ep2"),
+    pytest.param(4, EP2, id="ep2xfsdp2"),
+]
+
+
+@pytest.mark.parametrize("world, config", ROUTER_LOSS)
+def test_router_loss_matches_one_process(ranks, world, config):
+    """The load-balancing loss is a product of two means over the whole batch: smp.transform sums
+    its router statistics over the data-parallel ranks, so smp.step's loss (with the term) and
+    every gradient are the one-process ones."""
+    reports = ranks(world).run(cases.equivalence, config=config, kind="mixtral", router_loss=True, timeout=300)
+    _assert_matches(reports)
+    assert min(reports[0]["aux"]) > 0.5, reports  # the term is there: num_experts x sum f x P is ~1 or more
+
+
+@pytest.mark.parametrize("world, config", ROUTER_LOSS)
+def test_router_loss_from_each_rank_alone_is_caught(ranks, world, config):
+    reports = ranks(world).run(cases.equivalence, config=config, kind="mixtral", router_loss=True,
+                               broken="per_rank_router_statistics", steps=1, timeout=300)
+    assert max(r["loss_diff"] for r in reports) > 10 * TOL and max(r["grad_diff"] for r in reports) > 100 * TOL, reports
+
+
 @pytest.mark.parametrize("world, config", [
     (2, FSDP2), (2, PP2), pytest.param(4, PP2, marks=pytest.mark.slow),
 ], ids=["fsdp2", "pp2", "pp2xfsdp2"])
@@ -100,8 +133,17 @@ def test_ragged_pipeline_batch_padding_is_checked(ranks):
 
 
 def test_what_cannot_be_exact_is_refused_on_every_rank(ranks):
-    for errors in ranks(2).run(cases.step_errors, config=FSDP2, kind="mixtral"):
-        assert "output_router_logits=True" in errors["plain"] and "2 data-parallel ranks" in errors["plain"], errors
+    for errors in ranks(2).run(cases.step_errors, config=FSDP2, kind="mixtral", router_loss="before"):
+        assert errors["plain"] == "", errors  # the router loss trains at FSDP 2 (above)
+        not_summed = errors["not_summed"]
+        assert not_summed.startswith("UsageError") and "output_router_logits=True" in not_summed, errors
+        assert "2 data-parallel ranks" in not_summed and "global_load_balancing_loss" in not_summed, errors
+    # Context parallel splits each row's tokens: refused with the composition table's reason and fix.
+    cp_row = composition.row("aux_loss", "cp")
+    for errors in ranks(2).run(cases.step_errors, config=CP2, kind="mixtral", router_loss="after"):
+        plain = errors["plain"]
+        assert plain.startswith("ConfigError") and "context_parallel_degree=2" in plain, errors
+        assert cp_row.reason in plain and "moe_load_balancing: none" in plain, errors
     for errors in ranks(2).run(cases.step_errors, config=PP2):
         assert errors["plain"] == "", errors
         assert "token_type_ids" in errors["unknown_key"] and "leave them out" in errors["unknown_key"], errors

@@ -187,3 +187,12 @@ def apply_load_balancing(
     hooks = _ReducedDuringForward(modeling, unsupported if unsupported is not None else token_group)
     model.register_forward_pre_hook(hooks.enter)
     model.register_forward_hook(hooks.exit, always_call=True)
+    model._smp_load_balancing = hooks.group  # read by summed_over (smp.step's check)
+
+
+def summed_over(model: nn.Module) -> dist.ProcessGroup | str | None:
+    """What `apply_load_balancing` made of `model`'s load-balancing loss: the process group its
+    router statistics are summed over, the message saying why they cannot be (a str), or None
+    when it installed nothing (one rank holds the whole batch, or the model's module has no
+    transformers load-balancing loss)."""
+    return getattr(model, "_smp_load_balancing", None)
