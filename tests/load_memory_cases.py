@@ -121,3 +121,37 @@ def export_in_pieces(config: dict, root: str, piece_bytes: int) -> dict:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(out, ignore_errors=True)
+
+
+def export_packed(config: dict, root: str, family: str, one_file: bool = False) -> dict:
+    """export_hf of a tiny GPT-2 (fused q|k|v c_attn) or Mixtral (gate|up) built from seed 0,
+    transformed under `config`, into `root`/<family>: {"packed": the parameters held as a packed
+    tensor-parallel part, "files": {safetensors file or index: its bytes' sha256}}. `one_file`
+    (the negative control): the boxes of a packed weight go into one file, as DCP's writer
+    files a tensor's chunks."""
+    import hashlib
+
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from smp.checkpointing.format import packed
+    from smp.checkpointing.hf import export as hf_export
+    from tests.checkpoint_cases import _packed_model
+
+    out = os.path.join(root, family)
+    original = hf_export._PieceWriter._split_by_storage_plan
+    if one_file:
+        hf_export._PieceWriter._split_by_storage_plan = HuggingFaceStorageWriter._split_by_storage_plan
+    try:
+        with smp.session(config):
+            model = smp.transform(_packed_model(family, 0))
+            held = sorted(n for n, p in model.named_parameters() if packed.read_whole(p))
+            smp.checkpointing.export_hf(out, model, max_shard_bytes=200_000)
+            dist.barrier()
+    finally:
+        hf_export._PieceWriter._split_by_storage_plan = original
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors") or f.endswith(".index.json"))
+    digests = {}
+    for name in files:
+        with open(os.path.join(out, name), "rb") as f:
+            digests[name] = hashlib.sha256(f.read()).hexdigest()
+    return {"packed": held, "files": digests}

@@ -14,8 +14,9 @@ made of (`boxes`: per dim, the runs of consecutive indices its placements give i
   which tensors are packed is agreed by all ranks first (`packed_keys`);
 - `load` reads each box into its place in the local tensor (`PackedLoadPlanner`), from
   whatever chunks the checkpoint holds;
-- `export_hf` gathers them whole (`whole_for_save`; its consolidation writes whole tensors
-  anyway), and `load_hf` reads them whole and keeps each rank's part (`place`).
+- `export_hf` writes each box as a chunk of its own (hf/export.py), which the consolidation
+  places by its offsets, and `load_hf` reads each box into its place (`held_boxes`);
+  `whole_for_save` gathers them whole for writers that take whole tensors only.
 
 No tensor is held whole by `save` or `load`: the extra cost is a few more, smaller chunks.
 """

@@ -49,16 +49,32 @@ class _PieceWriter(HuggingFaceStorageWriter):
     """DCP's HF writer (every rank writes its shards, rank 0 consolidates them into the files of
     `fqn_to_index_mapping`), with each rank's shards written as files of `piece_mapping` (at most
     PIECE_BYTES of the whole model each, one tensor alone if larger) instead of one file per
-    output file: its in-memory build of each file is bounded, not the rank's whole share."""
+    output file: its in-memory build of each file is bounded, not the rank's whole share.
 
-    def __init__(self, path: str, fqn_to_index_mapping: dict[str, int], piece_mapping: dict[str, int]) -> None:
+    A packed tensor-parallel weight (`packed`: its fqns) comes as one write item per box of the
+    rank's part (packed.PackedSavePlanner). A file holds one chunk per tensor (its safetensors
+    key is the tensor's name, its offsets in the file's metadata), so each box goes into a file
+    of its own, numbered after the pieces; consolidation places every chunk by its offsets."""
+
+    def __init__(self, path: str, fqn_to_index_mapping: dict[str, int], piece_mapping: dict[str, int],
+                 packed: frozenset[str] = frozenset()) -> None:
         super().__init__(path, fqn_to_index_mapping=fqn_to_index_mapping, save_distributed=True,
                          enable_consolidation=True)
         self.piece_mapping = piece_mapping
+        self.packed = packed
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         return [dataclasses.replace(plan, storage_data={**plan.storage_data, "fqn_to_index_mapping": self.piece_mapping})
                 for plan in super().prepare_global_plan(plans)]
+
+    def _split_by_storage_plan(self, storage_plan: dict[str, int] | None, items: list[Any]) -> dict[int, list[Any]]:
+        buckets = super()._split_by_storage_plan(storage_plan, [i for i in items if i.index.fqn not in self.packed])
+        following = max(self.piece_mapping.values(), default=0)
+        for item in items:
+            if item.index.fqn in self.packed:
+                following += 1
+                buckets[following] = [item]
+        return buckets
 
 
 def _file_index(sizes: list[tuple[str, int]], max_shard_bytes: int) -> dict[str, int]:
@@ -107,11 +123,12 @@ def export_hf(
     nonfloats = nonfloat.check({k: v for k, v in state.items() if not nonfloat.consolidatable(v)},
                                pp_group, out_dir)
     state = {k: v for k, v in state.items() if nonfloat.consolidatable(v)}
-    # Packed tensor-parallel weights (fused q|k|v, gate|up) gathered whole: DCP cannot express
-    # a rank's part of them (packed.py). Collective: every rank gathers the same ones.
-    state = packed.whole_for_save(state, packed.packed_keys(state))
+    # Packed tensor-parallel weights (fused q|k|v, gate|up): DCP's one box per rank cannot
+    # express a rank's part of them, so each box is written as a chunk of its own (packed.py,
+    # _PieceWriter), never gathered whole. Collective: every rank learns which ones are packed.
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
+    packed_keys = packed.packed_keys(state)
     sizes = [(k, v.numel() * v.element_size()) for k, v in state.items()]
     scalars = {k: v.detach().cpu() for k, v in state.items() if v.dim() == 0}  # whole on every rank holding them
     if pp_group is not None:  # every rank needs the whole model's file layout; rank 0 its scalars
@@ -121,8 +138,10 @@ def export_hf(
     meta = metadata.build(shapes, False, "hf", dims)
     tmp = _agree_on_tmp(out_dir, "hf")
     try:
-        writer = _PieceWriter(tmp, _file_index(sizes, max_shard_bytes), _file_index(sizes, PIECE_BYTES))
-        dcp.save(state, storage_writer=writer, no_dist=not _dist())
+        writer = _PieceWriter(tmp, _file_index(sizes, max_shard_bytes), _file_index(sizes, PIECE_BYTES),
+                              frozenset(packed_keys))
+        planner = packed.PackedSavePlanner(packed.save_boxes(state, packed_keys))
+        dcp.save(state, storage_writer=writer, planner=planner, no_dist=not _dist())
 
         def finish() -> None:
             storage.current().remove_tree(os.path.join(tmp, "sharded"), ignore_errors=True)  # per-rank pieces
