@@ -3,6 +3,7 @@
     python bench/bench_load_memory.py [--layers 24 --hidden 1024 --vocab 32000] [--quick]
                                       [--label after] [--only fsdp,tp,pp,ep,eager,transformers]
                                       [--files fp32-one,fp32-multi,bf16-one,bf16-multi,moe]
+                                      [--peers smp,mmap,eager,transformers] [--rounds 3]
 
 Peak resident memory (VmHWM, which RSS-based out-of-memory killers count: private memory and
 the file pages a memory-mapped read touched) per rank, above the rank's resident memory just
@@ -14,11 +15,17 @@ transformers converts on load):
   smp          `smp.transform(meta model, weights=folder)` under FSDP 2, TP 2, PP 2, EP 2;
                then (one folder) `save`, `save(async_save=True)` (until `wait()`), `export_hf`,
                and `load` of the saved checkpoint (DCP)
+  mmap         the same `smp.transform(meta model, weights=folder)` with the read smp used before
+               (DCP's HuggingFaceStorageReader: safetensors' `safe_open`, the file mapped): the
+               "before" of an A/B in one run, TP 2 and FSDP 2 on the fp32 folders
   eager        `smp.transform(from_pretrained(folder))` on every rank (what the meta path avoids)
   transformers `from_pretrained(folder, distributed_config=DistributedConfig(fsdp_size=2))`, and
                `DistributedConfig(tp_size=2)` (its own distributed loading); every parameter
                is then read once (its shards may still be views of the mapped file)
 Wall and CPU (user + system of the rank's process) seconds per phase are reported beside it.
+`--rounds N` runs every case N times, the cases in turn within a round and in reverse order in
+every other round (smp and mmap interleaved, each first equally often), and reports each
+figure's median over rounds with its range (the machine is shared: one round is noise).
 
 Writes bench/results/load_memory[_<label>].json; `--label before` with PYTHONPATH pointing at an
 older checkout of smp measures that code with the same script.
@@ -180,7 +187,9 @@ def worker(a) -> None:
         import smp
 
         smp.init(SMP_CONFIGS[layout])
-        if peer == "smp":
+        if peer == "mmap":
+            _read_as_before()
+        if peer in ("smp", "mmap"):
             with torch.device("meta"):
                 meta = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -215,6 +224,23 @@ def worker(a) -> None:
     dist.destroy_process_group()
 
 
+def _read_as_before() -> None:
+    """load_hf's plain reads as smp did them before reading by byte range (smp 708f59d): one
+    `dcp.load` through DCP's HuggingFaceStorageReader (safetensors' safe_open: each file mapped
+    while read). Used for the fp32 Llama folders (no packed or converted tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from smp.checkpointing.hf import load as hf_load
+
+    def read(folder, mapping, state):
+        directory = os.path.dirname(next(iter(folder.values())).pieces[0][0].file)
+        dcp.load({key: state[target] for key, target in mapping.items()},
+                 storage_reader=HuggingFaceStorageReader(directory), no_dist=True)
+
+    hf_load._read_boxes = read
+
+
 # ----------------------------------------------------------------------------------------------
 # The driver
 
@@ -228,6 +254,13 @@ def cases(folders: dict[str, str], a, root: str) -> list[dict]:
             out.append({"peer": "smp", "layout": layout, "files": name, "folder": folders[name],
                         "save": name == "fp32-multi" or a.quick, "out": os.path.join(root, "out")})
     out.append({"peer": "smp", "layout": "ep", "files": "moe", "folder": folders["moe"]})
+    # Mixtral at TP 2: gate_up_proj is a packed tensor-parallel weight (each rank a slice of gate
+    # and of up), loaded by placing each expert's slices and exported box by box.
+    out.append({"peer": "smp", "layout": "tp", "files": "moe", "folder": folders["moe"], "save": True,
+                "out": os.path.join(root, "out")})
+    for layout in ("fsdp", "tp"):
+        for name in ["fp32-one", "fp32-multi"] if not a.quick else ["fp32-one"]:
+            out.append({"peer": "mmap", "layout": layout, "files": name, "folder": folders[name]})
     out.append({"peer": "eager", "layout": "fsdp", "files": "bf16-one", "folder": folders["bf16-one"]})
     for layout in ("fsdp", "tp"):
         for name in (["fp32-one", "fp32-multi"] if not a.quick else ["fp32-one"]):
@@ -236,7 +269,10 @@ def cases(folders: dict[str, str], a, root: str) -> list[dict]:
         out = [c for c in out if c["layout"] in only or c["peer"] in only]
     if a.files:
         out = [c for c in out if c["files"] in a.files.split(",")]
-    return out
+    if a.peers:
+        out = [c for c in out if c["peer"] in a.peers.split(",")]
+    # Each smp case beside its mmap baseline (same layout and folder): an A/B pair runs back to back.
+    return sorted(out, key=lambda c: (c["peer"] not in ("smp", "mmap"), c["layout"], c["files"]))
 
 
 def run_case(case: dict, script: str) -> list[dict] | str:
@@ -252,6 +288,58 @@ def run_case(case: dict, script: str) -> list[dict] | str:
         return [json.load(open(os.path.join(reports, f"rank{r}.json"))) for r in range(2)]
 
 
+def _one_run(case: dict) -> dict:
+    ranks = run_case(case, os.path.abspath(__file__))
+    row = {k: case[k] for k in ("peer", "layout", "files")}
+    if isinstance(ranks, str):
+        return {**row, "error": ranks}
+    row["model_mib"], row["largest_mib"] = ranks[0]["model_mib"], ranks[0]["largest_mib"]
+    row["held_mib"] = [round(r["held_mib"], 1) for r in ranks]
+    row["on_meta"] = [r["on_meta"] for r in ranks]
+    for phase in PHASES:
+        if phase in ranks[0]:
+            row[phase] = {k: [round(r[phase][k], 3) for r in ranks] for k in ranks[0][phase]}
+            row[phase]["max_ratio"] = max(row[phase]["ratio"])
+    return row
+
+
+def _over_rounds(runs: list[dict]) -> dict:
+    """One case over its rounds: per rank, the median of each figure; `max_ratio` the worst
+    round's (the bound must hold every time); `cpu_s_rounds` / `wall_s_rounds` each round's
+    mean over the ranks (the spread is the noise)."""
+    import statistics
+
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    row = {k: v for k, v in runs[0].items() if k not in PHASES}
+    for phase in PHASES:
+        if phase not in runs[0]:
+            continue
+        row[phase] = {k: [round(statistics.median(r[phase][k][rank] for r in runs), 3) for rank in range(2)]
+                      for k in runs[0][phase] if k != "max_ratio"}
+        row[phase]["max_ratio"] = max(r[phase]["max_ratio"] for r in runs)
+        for k in ("cpu_s", "wall_s"):
+            row[phase][k + "_rounds"] = [round(sum(r[phase][k]) / 2, 3) for r in runs]
+    return row
+
+
+def _ab(results: list[dict]) -> dict:
+    """{layout files: {"median", "rounds"}}: smp's load CPU (mean over the ranks) over the mmap
+    read's, paired round by round, where both ran."""
+    import statistics
+
+    by = {(r["peer"], r["layout"], r["files"]): r for r in results if "error" not in r}
+    out = {}
+    for (peer, layout, files), row in by.items():
+        before = by.get(("mmap", layout, files))
+        if peer != "smp" or before is None:
+            continue
+        ratios = [round(x / y, 3) for x, y in zip(row["load"]["cpu_s_rounds"], before["load"]["cpu_s_rounds"])]
+        out[f"{layout} {files}"] = {"median": statistics.median(ratios), "rounds": ratios}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true")
@@ -265,6 +353,8 @@ def main() -> None:
     p.add_argument("--files", default="", help="comma-separated folders to run (fp32-one, ..., moe)")
     p.add_argument("--label", default="", help="results file suffix (before / after)")
     p.add_argument("--root", default="", help="reuse the folders written there")
+    p.add_argument("--peers", default="", help="comma-separated peers to run (smp, mmap, eager, transformers)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every case, interleaved (medians reported)")
     a = p.parse_args()
     if a.worker:
         return worker(a)
@@ -275,24 +365,16 @@ def main() -> None:
         else:
             folders = {f"{d}-{n}": os.path.join(root, f"llama_{d}_{n}") for d in ("fp32", "bf16") for n in ("one", "multi")}
             folders["moe"] = os.path.join(root, "mixtral")
-        results = []
-        for case in cases(folders, a, root):
-            ranks = run_case(case, os.path.abspath(__file__))
-            row = {k: case[k] for k in ("peer", "layout", "files")}
-            if isinstance(ranks, str):
-                row["error"] = ranks
-                print(row, flush=True)
-                results.append(row)
-                continue
-            row["model_mib"], row["largest_mib"] = ranks[0]["model_mib"], ranks[0]["largest_mib"]
-            row["held_mib"] = [round(r["held_mib"], 1) for r in ranks]
-            row["on_meta"] = [r["on_meta"] for r in ranks]
-            for phase in PHASES:
-                if phase in ranks[0]:
-                    row[phase] = {k: [round(r[phase][k], 3) for r in ranks] for k in ranks[0][phase]}
-                    row[phase]["max_ratio"] = max(row[phase]["ratio"])
-            print(json.dumps(row), flush=True)
-            results.append(row)
+        todo = cases(folders, a, root)
+        runs: list[list[dict]] = [[] for _ in todo]
+        for round_ in range(a.rounds):
+            order = list(range(len(todo)))
+            for i in order if round_ % 2 == 0 else order[::-1]:
+                row = _one_run(todo[i])
+                print(json.dumps({"round": round_, **row}), flush=True)
+                runs[i].append(row)
+        results = [_over_rounds(case_runs) for case_runs in runs]
+        ab = _ab(results)
         RESULTS.mkdir(exist_ok=True)
         name = f"load_memory{'_' + a.label if a.label else ''}.json"
         smp_rows = [r for r in results if r.get("peer") == "smp"]
@@ -304,7 +386,7 @@ def main() -> None:
         (RESULTS / name).write_text(json.dumps({
             "command": "python bench/bench_load_memory.py " + " ".join(sys.argv[1:]),
             "machine": f"{os.cpu_count()} CPUs, torch on CPU (gloo), world 2",
-            "summary": summary, "cases": results}, indent=1))
+            "summary": summary, "rounds": a.rounds, "cpu_smp_over_mmap": ab, "cases": results}, indent=1))
         print(json.dumps(summary))
     finally:
         if not a.root:
