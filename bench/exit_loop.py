@@ -1,4 +1,4 @@
-"""Run tests/exit_worker.py (2 gloo ranks under torchrun, a few steps, smp.shutdown) N times in
+"""Run tests/core/exit_worker.py (2 gloo ranks under torchrun, a few steps, smp.shutdown) N times in
 a row and count the runs that did not exit 0, e.g. a rank aborted at exit with `terminate
 called without an active exception`. Prints one JSON line: runs, failures, seconds; the log of
 each failed run goes to --logs.
@@ -19,7 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.exit_worker import run_torchrun, threads_at_exit  # noqa: E402
+from tests.core.exit_worker import run_torchrun, threads_at_exit  # noqa: E402
 
 
 def main() -> None:

@@ -40,8 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from smp.testing.rank_pool import RankFailure, RankPool, RankTimeout  # noqa: E402
-from tests import model_coverage_cases as cases  # noqa: E402
-from tests import model_coverage_vlm_cases as vcases  # noqa: E402
+from tests.models import model_coverage_cases as cases  # noqa: E402
+from tests.models import model_coverage_vlm_cases as vcases  # noqa: E402
 
 # mode (cases.MODES: the arguments of its case function) -> its column title
 COLUMNS = {

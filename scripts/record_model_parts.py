@@ -1,8 +1,8 @@
-"""Record, for every family of the model-coverage matrix (tests/model_coverage_cases.py and
-tests/model_coverage_vlm_cases.py, tiny configs built on the meta device), the parts smp finds:
+"""Record, for every family of the model-coverage matrix (tests/models/model_coverage_cases.py and
+tests/models/model_coverage_vlm_cases.py, tiny configs built on the meta device), the parts smp finds:
 FSDP blocks, the pipeline split (its parts and a 2-stage split), the TP head and input embedding,
 and the tensor-parallel assignments (`model._smp_tp_plan` without applying it, sequence parallel
-off and on). tests/test_anatomy.py compares what smp finds now with this record.
+off and on). tests/core/test_anatomy.py compares what smp finds now with this record.
 
 Run from the repository root: python scripts/record_model_parts.py [families...]
 It writes tests/fixtures/model_parts.json (the record made before smp/anatomy.py existed).
@@ -24,8 +24,8 @@ FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "model
 
 def families() -> list[tuple[str, str]]:
     """(family, kind): the causal-LM column's families, then the vision / speech ones."""
-    from tests import model_coverage_cases as causal
-    from tests import model_coverage_vlm_cases as vision
+    from tests.models import model_coverage_cases as causal
+    from tests.models import model_coverage_vlm_cases as vision
 
     out = [(f, "causal") for f, reason in causal.registry_families() if reason is None]
     out += [(f, "causal") for f in causal.EXTRA_FAMILIES]
@@ -33,8 +33,8 @@ def families() -> list[tuple[str, str]]:
 
 
 def build_on_meta(family: str, kind: str) -> torch.nn.Module:
-    from tests import model_coverage_cases as causal
-    from tests import model_coverage_vlm_cases as vision
+    from tests.models import model_coverage_cases as causal
+    from tests.models import model_coverage_vlm_cases as vision
 
     with torch.device("meta"):
         if kind == "causal":

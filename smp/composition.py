@@ -25,7 +25,7 @@ from smp.errors import ConfigError
 # Schedules that split each backward into input- and weight-gradient halves (torch refuses them
 # under torch.compile).
 SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-# Schedules proven equal to one process under context parallel (tests/test_pipeline_cp.py).
+# Schedules proven equal to one process under context parallel (tests/pipeline/test_pipeline_cp.py).
 CONTEXT_PARALLEL_SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -35,7 +35,7 @@ class Feature:
     where: str  # "config": read off the config alone; "world": needs the mesh; "run": how smp is run
     on: Callable[[Any, Any], bool]  # (config, dims or None) -> whether this run has it
     setting: Callable[[Any, Any], str]  # how the user turned it on, for messages
-    example: dict  # the smallest config turning it on (tests/test_composition.py enumerates these)
+    example: dict  # the smallest config turning it on (tests/core/test_composition.py enumerates these)
 
 
 def _degree(key: str) -> tuple[Callable[[Any, Any], bool], Callable[[Any, Any], str]]:
@@ -107,96 +107,96 @@ REFUSED = (
     Refusal(("ep", "tp"), "expert-parallel ranks come out of the sharded data-parallel ranks, and smp "
             "(like SMP v2) does not split experts and tensor-parallel layers over one mesh",
             "set tensor_parallel_degree: 1 or expert_parallel_degree: 1",
-            "tests/test_expert_parallel.py::test_degree_errors_list_every_degree"),
+            "tests/expert_parallel/test_expert_parallel.py::test_degree_errors_list_every_degree"),
     Refusal(("ep", "cp"), "smp (like SMP v2) does not combine expert parallel with context parallel: the "
             "dispatch would route each rank's chunk of a row without the rest of the row",
             "set context_parallel_degree: 1 or expert_parallel_degree: 1",
-            "tests/test_pipeline_cp.py::test_unproven_compositions_are_refused"),
+            "tests/pipeline/test_pipeline_cp.py::test_unproven_compositions_are_refused"),
     Refusal(("ep", "selective_ac"), "selective checkpointing replays cached op outputs by invocation order, "
             "which the dispatch's data-dependent collectives break (full checkpointing recomputes them)",
             "use activation_checkpointing 'full' or 'none'",
-            "tests/test_expert_parallel.py::test_selective_checkpointing_is_refused"),
+            "tests/expert_parallel/test_expert_parallel.py::test_selective_checkpointing_is_refused"),
     Refusal(("cp", "unproven_cp_schedule"), "smp has proven context parallel under pipeline parallelism for "
             f"{sorted(CONTEXT_PARALLEL_SCHEDULES)} only", "set pipeline.schedule to one of them",
-            "tests/test_pipeline_cp.py::test_unproven_compositions_are_refused"),
+            "tests/pipeline/test_pipeline_cp.py::test_unproven_compositions_are_refused"),
     Refusal(("pp", "cp", "tp"), "smp has proven pipeline x context parallel alone only",
             "set tensor_parallel_degree: 1, context_parallel_degree: 1 or pipeline_parallel_degree: 1",
-            "tests/test_pipeline_compose.py::test_pp_x_cp_beyond_what_is_proven_is_refused_with_the_reason"),
+            "tests/pipeline/test_pipeline_compose.py::test_pp_x_cp_beyond_what_is_proven_is_refused_with_the_reason"),
     Refusal(("pp", "cp", "dp"), "smp has proven pipeline x context parallel with one data-parallel rank "
             "per stage only", "make pipeline_parallel_degree x context_parallel_degree the world size, or set "
-            "context_parallel_degree: 1", "tests/test_composition.py::test_every_pair_is_checked_as_the_table_says"),
+            "context_parallel_degree: 1", "tests/core/test_composition.py::test_every_pair_is_checked_as_the_table_says"),
     Refusal(("sp", "pp"), "stages before the last hold no output head to gather the sequence back",
             "set tensor_parallel.sequence_parallel: false",
-            "tests/test_pipeline_compose.py::test_tp_options_that_do_not_compose_are_refused"),
+            "tests/pipeline/test_pipeline_compose.py::test_tp_options_that_do_not_compose_are_refused"),
     Refusal(("loss_parallel", "pp"), "the schedule computes the loss on the last stage outside "
             "smp.tensor_parallel.loss_parallel()", "set tensor_parallel.loss_parallel: false",
-            "tests/test_pipeline_compose.py::test_tp_options_that_do_not_compose_are_refused"),
+            "tests/pipeline/test_pipeline_compose.py::test_tp_options_that_do_not_compose_are_refused"),
     Refusal(("aux_loss", "pp"), "the load-balancing loss multiplies router statistics summed over every MoE "
             "layer and the whole batch, which lie on different stages and micro-batches",
             "turn it off (moe: {moe_load_balancing: none})",
-            "tests/test_pipeline_compose.py::test_load_balancing_loss_across_stages_is_refused"),
+            "tests/pipeline/test_pipeline_compose.py::test_load_balancing_loss_across_stages_is_refused"),
     Refusal(("aux_loss", "cp"), "context parallel splits each row's tokens over ranks, and the router "
             "statistics of a row's tokens would be multiplied per chunk, not over the row",
             "turn it off (moe: {moe_load_balancing: none})",
-            "tests/test_expert_parallel.py::test_aux_loss_refused_where_it_cannot_be_global"),
+            "tests/expert_parallel/test_expert_parallel.py::test_aux_loss_refused_where_it_cannot_be_global"),
     Refusal(("compile", "split_backward"), "that schedule splits each backward into input and weight halves, "
             "which torch does not support under torch.compile",
             "set compile: false or pick gpipe / 1f1b / interleaved_1f1b / looped_bfs",
-            "tests/test_pipeline_config.py::test_composed_and_refused_degrees"),
+            "tests/pipeline/test_pipeline_config.py::test_composed_and_refused_degrees"),
     Refusal(("split_backward", "dp", "reshard"), "the schedule runs each micro-batch's weight gradients after "
             "later forwards, when FSDP has resharded the parameters they belong to (measured: gradients off by "
             "3e-2 at PP 2 x FSDP 2)", "leave reshard_after_forward unset (false under pipeline parallelism) or "
             "pick gpipe / 1f1b / interleaved_1f1b / looped_bfs",
-            "tests/test_pipeline_compose.py::test_split_backward_with_resharding_is_caught_and_refused"),
+            "tests/pipeline/test_pipeline_compose.py::test_split_backward_with_resharding_is_caught_and_refused"),
     Refusal(("param_gather", "ring_sync"), "the ring algorithm replaces FSDP's parameter all-gather too, which "
             "parameter_gather replaces", "use gradient_sync int8 / fp8 / default beside parameter_gather",
-            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+            "tests/sharding/test_parameter_gather.py::test_conflicting_settings_refused"),
     Refusal(("hierarchical_gather", "ring_sync"), "the ring algorithm replaces FSDP's parameter all-gather too, "
             "which parameter_gather replaces", "use gradient_sync int8 / fp8 / default beside parameter_gather",
-            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+            "tests/sharding/test_parameter_gather.py::test_conflicting_settings_refused"),
     Refusal(("hierarchical_gather", "tp"), "FSDP2 cannot reshard tensor-parallel (DTensor) parameters to the "
             "node's ranks after forward", "set hierarchical: false (algorithm int8 / fp8 still applies)",
-            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+            "tests/sharding/test_parameter_gather.py::test_conflicting_settings_refused"),
     Refusal(("hierarchical_gather", "reshard"), "parameter_gather.hierarchical sets the blocks' "
             "reshard_after_forward to the ranks per node", "remove reshard_after_forward, or set hierarchical: false",
-            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+            "tests/sharding/test_parameter_gather.py::test_conflicting_settings_refused"),
     Refusal(("hierarchical_gather", "pp"), "each pipeline stage stays gathered from its first forward to its "
             "last backward (reshard_after_forward false): there is no backward gather to keep inside the node",
             "set hierarchical: false (algorithm int8 / fp8 applies to each stage's gather)",
-            "tests/test_parameter_gather.py::test_conflicting_settings_refused"),
+            "tests/sharding/test_parameter_gather.py::test_conflicting_settings_refused"),
     Refusal(("trainer", "pp"), "the Trainer runs the whole model's forward on every rank (compute_loss, "
             "prediction_step), while a pipelined model holds one stage per rank and trains only through "
             "smp.step(model, batch)", "set pipeline_parallel_degree: 1 (FSDP / tensor "
             "parallel work with the Trainer), or train with pipeline parallelism in a plain loop such as "
             "examples/finetune_causal_lm.py (docs/pipeline-parallel.md)",
-            "tests/test_trainer.py::test_pipeline_parallel_is_refused_at_construction"),
+            "tests/integrations/test_trainer.py::test_pipeline_parallel_is_refused_at_construction"),
 )
 
 # Combinations a test proves equal to one process (loss and gradients), beyond each feature alone.
 PROVEN = {
-    ("tp", "dp"): "tests/test_tensor_parallel.py::test_matches_single_process",
-    ("tp", "hsdp"): "tests/test_tensor_parallel.py::test_hybrid_shard_with_tp",
-    ("tp", "sp"): "tests/test_tensor_parallel.py::test_tp4_with_sequence_parallel",
-    ("tp", "loss_parallel"): "tests/test_tensor_parallel.py::test_loss_parallel_keeps_logits_sharded",
-    ("tp", "offloading"): "tests/test_activations.py::test_tensor_parallel_with_checkpointing_and_offloading",
-    ("cp", "dp"): "tests/test_context_parallel.py::test_matches_single_process",
-    ("cp", "tp"): "tests/test_context_parallel.py::test_with_tensor_parallel",
-    ("cp", "hsdp"): "tests/test_context_parallel.py::test_with_hybrid_shard_and_mixed_precision_offload",
-    ("ep", "dp"): "tests/test_expert_parallel.py::test_matches_single_process",
-    ("aux_loss", "dp"): "tests/test_expert_parallel.py::test_fsdp_without_ep_makes_the_aux_loss_global",
-    ("aux_loss", "ep"): "tests/test_step.py::test_router_loss_matches_one_process",
-    ("pp", "dp"): "tests/test_pipeline.py::test_pp2_x_fsdp2_matches_one_process",
-    ("pp", "tp"): "tests/test_pipeline_compose.py::test_pp2_x_tp2_matches_one_process",
-    ("pp", "tp", "dp"): "tests/test_pipeline_compose.py::test_pp2_x_tp2_x_fsdp2_matches_one_process",
-    ("pp", "ep"): "tests/test_pipeline_compose.py::test_pp2_x_ep2_mixtral_matches_one_process",
-    ("pp", "cp"): "tests/test_pipeline_cp.py::test_pp2_x_cp2_matches_one_process",
-    ("split_backward", "dp"): "tests/test_pipeline_compose.py::test_split_backward_schedules_x_fsdp2_match_one_process",
-    ("pp", "compile"): "tests/test_pipeline.py::test_offloading_and_compile_inside_stages",
-    ("pp", "offloading"): "tests/test_pipeline.py::test_offloading_and_compile_inside_stages",
-    ("trainer", "tp", "dp"): "tests/test_trainer.py::test_tp_2_fsdp_2",
-    ("trainer", "peft", "tp"): "tests/test_trainer.py::test_lora_under_tp_matches_single_process",
-    ("trainer", "peft", "tp", "dp"): "tests/test_trainer.py::test_lora_under_tp_matches_single_process",
-    ("hierarchical_gather", "dp"): "tests/test_parameter_gather.py::test_hierarchical_default_equals_flat_bitwise",
+    ("tp", "dp"): "tests/tensor_parallel/test_tensor_parallel.py::test_matches_single_process",
+    ("tp", "hsdp"): "tests/tensor_parallel/test_tensor_parallel.py::test_hybrid_shard_with_tp",
+    ("tp", "sp"): "tests/tensor_parallel/test_tensor_parallel.py::test_tp4_with_sequence_parallel",
+    ("tp", "loss_parallel"): "tests/tensor_parallel/test_tensor_parallel.py::test_loss_parallel_keeps_logits_sharded",
+    ("tp", "offloading"): "tests/training/test_activations.py::test_tensor_parallel_with_checkpointing_and_offloading",
+    ("cp", "dp"): "tests/context_parallel/test_context_parallel.py::test_matches_single_process",
+    ("cp", "tp"): "tests/context_parallel/test_context_parallel.py::test_with_tensor_parallel",
+    ("cp", "hsdp"): "tests/context_parallel/test_context_parallel.py::test_with_hybrid_shard_and_mixed_precision_offload",
+    ("ep", "dp"): "tests/expert_parallel/test_expert_parallel.py::test_matches_single_process",
+    ("aux_loss", "dp"): "tests/expert_parallel/test_expert_parallel.py::test_fsdp_without_ep_makes_the_aux_loss_global",
+    ("aux_loss", "ep"): "tests/training/test_step.py::test_router_loss_matches_one_process",
+    ("pp", "dp"): "tests/pipeline/test_pipeline.py::test_pp2_x_fsdp2_matches_one_process",
+    ("pp", "tp"): "tests/pipeline/test_pipeline_compose.py::test_pp2_x_tp2_matches_one_process",
+    ("pp", "tp", "dp"): "tests/pipeline/test_pipeline_compose.py::test_pp2_x_tp2_x_fsdp2_matches_one_process",
+    ("pp", "ep"): "tests/pipeline/test_pipeline_compose.py::test_pp2_x_ep2_mixtral_matches_one_process",
+    ("pp", "cp"): "tests/pipeline/test_pipeline_cp.py::test_pp2_x_cp2_matches_one_process",
+    ("split_backward", "dp"): "tests/pipeline/test_pipeline_compose.py::test_split_backward_schedules_x_fsdp2_match_one_process",
+    ("pp", "compile"): "tests/pipeline/test_pipeline.py::test_offloading_and_compile_inside_stages",
+    ("pp", "offloading"): "tests/pipeline/test_pipeline.py::test_offloading_and_compile_inside_stages",
+    ("trainer", "tp", "dp"): "tests/integrations/test_trainer.py::test_tp_2_fsdp_2",
+    ("trainer", "peft", "tp"): "tests/integrations/test_trainer.py::test_lora_under_tp_matches_single_process",
+    ("trainer", "peft", "tp", "dp"): "tests/integrations/test_trainer.py::test_lora_under_tp_matches_single_process",
+    ("hierarchical_gather", "dp"): "tests/sharding/test_parameter_gather.py::test_hierarchical_default_equals_flat_bitwise",
 }
 
 

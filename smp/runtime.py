@@ -16,7 +16,7 @@ import (`smp.scope.Slot`: allocates and registers nothing) and reaches the objec
 and forgets them: the next session starts with none, so two sessions in one process never see
 each other's state. Outside a session (plain torch.distributed) objects belong to the
 process's scope; `smp plan` runs the recipe in a scope of its own (`smp.scope.isolated`).
-Importing smp therefore registers no hook and patches nothing (tests/test_session_state.py).
+Importing smp therefore registers no hook and patches nothing (tests/core/test_session_state.py).
 A patch of another library is scoped the same way or tighter: the MoE load-balancing loss is
 replaced only while the transformed model's forward runs (expert_parallel/load_balancing.py).
 """

@@ -135,7 +135,7 @@ def export_packed(config: dict, root: str, family: str, one_file: bool = False) 
 
     from smp.checkpointing.format import packed
     from smp.checkpointing.hf import export as hf_export
-    from tests.checkpoint_cases import _packed_model
+    from tests.checkpointing.checkpoint_cases import _packed_model
 
     out = os.path.join(root, family)
     original = hf_export._PieceWriter._split_by_storage_plan

@@ -7,7 +7,7 @@ that a new release breaks one file, not fifty. Each accessor uses the public API
 running version has one, says which versions it was checked on, and, where neither a public nor
 the private name exists, raises `UnsupportedVersionError` naming the feature and the installed
 version. That happens when the feature is used: importing this package (and so `import smp`)
-works on every torch smp supports, whatever is missing. tests/test_compat_layer.py checks that no
+works on every torch smp supports, whatever is missing. tests/core/test_compat_layer.py checks that no
 other module of smp goes around it. The rest of smp imports the names from here
 (`from smp._compat import full_tensor`).
 

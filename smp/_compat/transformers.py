@@ -80,7 +80,7 @@ def model_tp_plan(model: nn.Module) -> dict[str, Any]:
 # Private methods of transformers.Trainer that smp's Trainer integration (smp/integrations/
 # trainer.py) overrides or calls on itself; checked on transformers 5.17, 5.23. An override of a
 # method the installed Trainer no longer has would silently never run: `check_trainer_overrides`
-# refuses that when the Trainer is built. tests/test_compat_layer.py allows these names, and
+# refuses that when the Trainer is built. tests/core/test_compat_layer.py allows these names, and
 # only these, as overrides.
 TRAINER_OVERRIDES = frozenset({
     "_move_model_to_device", "_track_num_input_tokens", "_clip_grad_norm", "_get_grad_norm",

@@ -5,7 +5,7 @@ transformers' `load_balancing_loss_func` (Switch Transformer, eq. 4-6) is
 num_experts x sum_e f_e x P_e, with f_e the fraction of token choices routed to expert e and
 P_e its mean router probability, both over the rows of the batch. It is a product of two batch
 means, not a mean over rows: computed on each rank's rows and averaged over ranks it is not the
-loss of the global batch (tests/test_expert_parallel.py::test_aux_loss_is_not_per_row shows the
+loss of the global batch (tests/expert_parallel/test_expert_parallel.py::test_aux_loss_is_not_per_row shows the
 gap). So under expert parallelism the sums behind f and P (and the row count) are summed over
 the data-parallel ranks first; every rank then holds the one-process value, and its gradient
 (the probability sums travel through an autograd-aware all-gather) is the one-process

@@ -30,7 +30,7 @@ STYLES = (DISPATCH, GROUPED)
 
 # Plans for families whose config ships no `base_model_ep_plan`, by model_type (relative to the
 # base model). Empty: every transformers 5.23 family with an experts module ships its own
-# (tests/test_expert_parallel.py::test_every_transformers_moe_family_ships_a_plan checks it);
+# (tests/expert_parallel/test_expert_parallel.py::test_every_transformers_moe_family_ships_a_plan checks it);
 # an entry here serves a model that does not.
 SMP_TABLES: dict[str, dict[str, str]] = {}
 

@@ -11,7 +11,7 @@ min(m, p - r) forwards, then alternates backward and forward).
 From an order:
   held micro-batches   a stage's activations live from its F to its B (or W, for the
                        split-backward schedules, which hold more than this in a real run:
-                       tests/test_planning_pp.py reports by how much)
+                       tests/planning/test_planning_pp.py reports by how much)
   point-to-point bytes an F sends the stage's output to the next stage, a B / I sends the input
                        gradient to the previous stage, when that stage is on another rank:
                        2 x m x (rows per micro-batch x seq x hidden x bytes) per boundary between ranks

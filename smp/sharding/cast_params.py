@@ -14,7 +14,7 @@ that parameter's gradient has landed (so the cast copies free during backward, a
 reshard frees them), and every slot at the end of backward, at a forward without gradients, and
 before a state dict is read or loaded. Blocks cast their floating inputs (and outputs, with
 `output_dtype`) at their boundaries as FSDP's per-block units do, so the result is bitwise the
-per-block FSDP run's (tests/test_host_layout.py).
+per-block FSDP run's (tests/sharding/test_host_layout.py).
 """
 
 from __future__ import annotations

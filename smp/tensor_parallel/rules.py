@@ -5,7 +5,7 @@ what the plan names and what earlier rules added (`Matched`), and returns the as
 (with a `why` when smp chose a style the plan did not name, shown in `model._smp_tp_plan`), or
 raises a ConfigError / PlanError naming the module and the fix where smp cannot prove the result
 equals one process. A family whose code steps outside what the rules know gets a new rule here
-(and its test in tests/test_tp_rules.py), not a branch in `expand_plan`: docs/tensor-parallel.md,
+(and its test in tests/tensor_parallel/test_tp_rules.py), not a branch in `expand_plan`: docs/tensor-parallel.md,
 "Adding a rule".
 """
 

@@ -246,7 +246,7 @@ class ReplicatedPartialGrad(ParallelStyle):
     module runs on its parameters' local values with the gradient declared `Partial`, so
     DTensor (or FSDP, before its reduce-scatter) sums it: no hook to lose when FSDP replaces
     the parameters. `grad_placement` is a class attribute so a test can break the sum on
-    purpose (tests/tp_vocabulary_cases.py)."""
+    purpose (tests/tensor_parallel/tp_vocabulary_cases.py)."""
 
     grad_placement: Placement = Partial()
 
@@ -278,7 +278,7 @@ class LocalParams(ParallelStyle):
     forward then runs on the local shards. Each rank computes the whole gradient of its own
     heads' entries (the rowwise output projection already summed what follows), so the
     gradient stays a Shard: nothing to sum. `placement` is a class attribute so that a test can
-    misalign the split with the heads on purpose (tests/tp_local_params_cases.py)."""
+    misalign the split with the heads on purpose (tests/tensor_parallel/tp_local_params_cases.py)."""
 
     placement: Placement = Shard(0)
 
@@ -413,7 +413,7 @@ class MlaKvAProj(ParallelStyle):
     on the same slice); everything else stays a plain tensor. The region holding it gets no
     shared DTensor entry (tp_plan.py), so its other whole modules (`q_a_proj`, the latent norms)
     run on plain tensors too. `rope_grad_placement` is a class attribute so a test can break the
-    sum on purpose (tests/tp_mla_cases.py)."""
+    sum on purpose (tests/tensor_parallel/tp_mla_cases.py)."""
 
     rope_grad_placement: Placement = Partial()
 

@@ -15,7 +15,7 @@ The blank run must touch exactly the parameters the image path of the forward to
 more or one fewer with a gradient and FSDP's reduce-scatter sizes differ between ranks (gloo
 aborts on the mismatch). So it takes only `pooler_output` of `get_image_features` (the image
 features the forward scatters into the text), and it runs only on the multimodal models whose
-blank run is proven exact against one process (`PROVEN`, tests/test_vlm.py).
+blank run is proven exact against one process (`PROVEN`, tests/models/test_vlm.py).
 
 Ranks agree first, with one 2-element all-reduce per forward, whether the batch is mixed; any
 other model is refused then, on every rank, naming the model, its image-path modules and the
@@ -56,7 +56,7 @@ def _innermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
 
 # The multimodal models (the class defining `get_image_features`) whose blank-image run is proven
 # exact vs one process at world 2 (loss and every gradient within 1e-5): 3 SGD steps in
-# tests/test_vlm.py for the first eleven, one step in the model-coverage matrix's "mixed batch"
+# tests/models/test_vlm.py for the first eleven, one step in the model-coverage matrix's "mixed batch"
 # column (docs/model-coverage.md) for the rest. Another model may need more than the pixels, or
 # use more outputs of its tower than `pooler_output` (Qwen3-VL's deepstack features, which the
 # tiny shape does not exercise): it is refused until a test proves it.

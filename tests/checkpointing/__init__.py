@@ -1,0 +1,1 @@
+"""Sharded checkpoints, trust checks, Checkpointer, HF load/export memory."""

@@ -1,0 +1,1 @@
+"""Context parallel attention (ring, all-gather, Ulysses) and the batch cut."""

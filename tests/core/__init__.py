@@ -1,0 +1,1 @@
+"""The session, config, CLI, composition table, errors, install and examples."""

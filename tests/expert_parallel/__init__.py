@@ -1,0 +1,1 @@
+"""Expert parallel MoE layers and their load-balancing loss."""

@@ -1,0 +1,1 @@
+"""Model coverage across families, vision-language models, real weights."""

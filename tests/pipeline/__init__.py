@@ -1,0 +1,1 @@
+"""Pipeline stages, schedules, ties, compositions and their checkpoints."""

@@ -1,0 +1,1 @@
+"""smp plan: memory, communication and layout search."""

@@ -1,0 +1,1 @@
+"""Crashes, hangs, killed ranks and checkpoint commits under failure."""

@@ -1,0 +1,1 @@
+"""Tensor and sequence parallel plans, rules, vocabulary, LoRA under TP."""

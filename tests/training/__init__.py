@@ -1,0 +1,1 @@
+"""smp.step, packed rows, activation checkpointing and offloading, compile, FP8."""
