@@ -182,6 +182,18 @@ class PipelinedModel(nn.Module):
         return "\n".join(s.describe() for s in self.split)
 
     # --- the step ------------------------------------------------------------------------------
+    def _check_no_router_loss(self, caller: str) -> None:
+        """smp.transform refuses a model whose config asks for its MoE load-balancing loss; the
+        stages share that config with the model, so a switch turned on after the transform is
+        seen here, before any stage runs, instead of the loss silently leaving the term out."""
+        config = getattr(self.stages[0], "config", None)
+        if getattr(config, "output_router_logits", False):
+            refused = row("aux_loss", "pp")
+            raise ConfigError(
+                f"{caller}: the model's config.output_router_logits is True (set after smp.transform): its "
+                f"load-balancing loss cannot be given under pipeline_parallel_degree > 1: {refused.reason}; {refused.fix}"
+            )
+
     def run(self, batch: Mapping[str, Any], *, train: bool, loss_fn: Callable | None = None,
             scale: float = 1.0, caller: str = "smp.step") -> torch.Tensor:
         """One step over every micro-batch of `batch` (this rank's data-parallel rows, the same
@@ -191,6 +203,7 @@ class PipelinedModel(nn.Module):
         A batch whose rows do not split into the micro-batches is padded with rows whose
         labels are all ignored (they add nothing to the loss or the gradients)."""
         input_ids, labels, mask, positions = pipeline_batch(batch, caller)
+        self._check_no_router_loss(caller)
         if positions is not None and not all(stage._smp_stage[1].hf for stage in self.stages):
             raise UsageError(
                 f"{caller}: position_ids other than 0, 1, 2, ... along each row are built for transformers causal "

@@ -275,12 +275,12 @@ def step_errors(config: dict, kind: str = "llama", router_loss: str | None = Non
     "after" it (where smp.transform would have refused it)."""
     with smp.session(config):
         torch.manual_seed(0)
-        model = tiny_model(kind, layers=2)
+        model = original = tiny_model(kind, layers=2)
         if router_loss == "before":
             with_router_loss(model)
         model = smp.transform(model)
-        if router_loss == "after":
-            with_router_loss(model)
+        if router_loss == "after":  # a pipelined model's stages share the original model's config
+            with_router_loss(original)
         batch = data_rows(padded_batch(seed=5))
 
         def error(extra: dict) -> str:

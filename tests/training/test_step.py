@@ -144,6 +144,12 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(ranks):
         plain = errors["plain"]
         assert plain.startswith("ConfigError") and "context_parallel_degree=2" in plain, errors
         assert cp_row.reason in plain and "moe_load_balancing: none" in plain, errors
+    # Pipeline parallelism: transform refuses the switch; turned on after it, the step refuses it.
+    pp_row = composition.row("aux_loss", "pp")
+    for errors in ranks(2).run(cases.step_errors, config=PP2, kind="mixtral", router_loss="after"):
+        plain = errors["plain"]
+        assert plain.startswith("ConfigError") and "set after smp.transform" in plain, errors
+        assert pp_row.reason in plain, errors
     for errors in ranks(2).run(cases.step_errors, config=PP2):
         assert errors["plain"] == "", errors
         assert "token_type_ids" in errors["unknown_key"] and "leave them out" in errors["unknown_key"], errors
