@@ -1,4 +1,4 @@
-"""Rank-side cases for tests/test_load_memory.py: the resident memory `smp.transform(meta model,
+"""Rank-side cases for tests/checkpointing/test_load_memory.py: the resident memory `smp.transform(meta model,
 weights=folder)` adds on a rank, against the bound docs/checkpoints.md states (this rank's part
 of the model plus its largest tensor), and the same load with every read through a memory
 mapping kept open to the end (what safetensors' readers do), the negative control."""

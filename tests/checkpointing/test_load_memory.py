@@ -7,7 +7,7 @@ TP, whose column-split weights touch every page of the file."""
 
 import pytest
 
-from tests import load_memory_cases as cases
+from tests.checkpointing import load_memory_cases as cases
 
 LOOSE = 1.5
 
