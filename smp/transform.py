@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from smp import composition, runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
+from smp.activations.checkpointing import mode_advice
 from smp.anatomy import Anatomy, describe
 from smp.compile import apply_compile
 from smp.config import ConfigError, MoEConfig, SMPConfig
@@ -179,6 +180,9 @@ def _load_balancing(model: nn.Module, run: Run) -> None:
 
 def _activation_checkpointing(model: nn.Module, run: Run) -> None:
     ac = run.cfg.activation_checkpointing
+    if ac.mode == "selective" and not run.cfg.compile.enabled and run.blocks and _first_rank():
+        # Slower than full where the host sets the pace (measured): said with the numbers, once.
+        logging.getLogger("smp").warning(mode_advice(ac.mode, compiled=False))
     apply_activation_checkpointing(model, run.blocks, mode=ac.mode, every_n_layers=ac.every_n_layers, save_ops=ac.save_ops)
 
 
@@ -254,6 +258,10 @@ def _parameter_gather(model: nn.Module, run: Run) -> None:
 def _attention_probe(model: nn.Module, run: Run) -> None:
     """The first forward is replayed on the meta device, refusing attention smp cannot see."""
     install_attention_probe(model, run.cp_probe)
+
+
+def _first_rank() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def _always(dims: ParallelDims, cfg: SMPConfig) -> bool:
