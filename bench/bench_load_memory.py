@@ -13,8 +13,8 @@ is its own `torchrun` run at world 2, on folders written once with `save_pretrai
 Llama, fp32 and bf16, one file and ~480 MB files; a small Mixtral in the per-expert layout that
 transformers converts on load):
   smp          `smp.transform(meta model, weights=folder)` under FSDP 2, TP 2, PP 2, EP 2;
-               then (one folder) `save`, `save(async_save=True)` (until `wait()`), `export_hf`,
-               and `load` of the saved checkpoint (DCP)
+               then (one folder; and Mixtral at EP 2 and TP 2) `save`, `save(async_save=True)`
+               (until `wait()`), `export_hf`, and `load` of the saved checkpoint (DCP)
   mmap         the same `smp.transform(meta model, weights=folder)` with the read smp used before
                (DCP's HuggingFaceStorageReader: safetensors' `safe_open`, the file mapped): the
                "before" of an A/B in one run, TP 2 and FSDP 2 on the fp32 folders
@@ -253,7 +253,9 @@ def cases(folders: dict[str, str], a, root: str) -> list[dict]:
         for name in llama:
             out.append({"peer": "smp", "layout": layout, "files": name, "folder": folders[name],
                         "save": name == "fp32-multi" or a.quick, "out": os.path.join(root, "out")})
-    out.append({"peer": "smp", "layout": "ep", "files": "moe", "folder": folders["moe"]})
+    # Mixtral at EP 2: each rank holds its experts (Shard(0) of the stacked expert weights).
+    out.append({"peer": "smp", "layout": "ep", "files": "moe", "folder": folders["moe"], "save": True,
+                "out": os.path.join(root, "out")})
     # Mixtral at TP 2: gate_up_proj is a packed tensor-parallel weight (each rank a slice of gate
     # and of up), loaded by placing each expert's slices and exported box by box.
     out.append({"peer": "smp", "layout": "tp", "files": "moe", "folder": folders["moe"], "save": True,

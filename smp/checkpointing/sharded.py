@@ -275,7 +275,9 @@ def _start_async(
     # One plain host copy of this rank's state (async_save.host_copy), written by DCP's ordinary
     # save in the background thread and dropped when written: DCP's own async stager keeps its
     # staging buffers (and more) after the save, seen at 1.5x the rank's state on torch 2.13.
-    staged = [host_copy(state)]
+    # Packed tensor-parallel boxes are staged contiguous by the planner (packed.py): the writer
+    # takes them as they are, with no copy of its own on top of this one.
+    staged = [host_copy(state, planner.stage(state))]
     me = rank()
 
     def finish() -> None:

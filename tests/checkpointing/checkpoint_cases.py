@@ -603,6 +603,20 @@ def _with_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def _data_files_differ(a: str, b: str) -> list[str]:
+    """The DCP data files (`*.distcp`) not byte-identical between two checkpoint folders, and
+    `.metadata` when the tensors it describes (names, shapes, chunks, offsets) differ."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    names = sorted({n for d in (a, b) for n in os.listdir(d) if n.endswith(".distcp")})
+    differ = [n for n in names if not (os.path.exists(os.path.join(a, n)) and os.path.exists(os.path.join(b, n)))
+              or open(os.path.join(a, n), "rb").read() != open(os.path.join(b, n), "rb").read()]
+    meta = [FileSystemReader(d).read_metadata() for d in (a, b)]
+    if meta[0].state_dict_metadata != meta[1].state_dict_metadata or meta[0].planner_data != meta[1].planner_data:
+        differ.append(".metadata")
+    return differ
+
+
 def packed_tp_resume(family: str, save_config: dict, load_config: dict, path: str, steps: int = 4,
                      save_at: int = 2, async_save: bool = False) -> dict:
     """Train `steps` steps at `save_config`, saving at `save_at`; load that checkpoint at
@@ -641,6 +655,9 @@ def packed_tp_resume(family: str, save_config: dict, load_config: dict, path: st
         smp.checkpointing.save(path, model, opt, extra={"step": save_at, "scheduler": sched.state_dict()},
                                async_save=async_save)
         smp.checkpointing.wait()
+        if async_save:  # the same state saved sync: the same data files, byte for byte
+            smp.checkpointing.save(path + "_sync", model, opt, extra={"step": save_at, "scheduler": sched.state_dict()})
+            out["async_files_differ"] = _data_files_differ(path, path + "_sync")
         saved = _with_state(model, opt)
         if out["packed_saved"]:
             import torch.distributed.checkpoint as dcp

@@ -444,7 +444,9 @@ def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, l
     within 1e-6 (bitwise at the same layout). Negative controls: loaded with the packed
     detection off (DCP's one box per rank) the packed weights and their optimizer state differ;
     saved with it off, DCP refuses the overlapping chunks. export_hf at TP 2 writes a folder
-    from_pretrained reads bitwise (with the detection off: DCP's overlapping-chunks error)."""
+    from_pretrained reads bitwise (with the detection off: DCP's overlapping-chunks error).
+    Saved async (packed boxes staged contiguous by the planner), the data files and the
+    tensors .metadata describes are byte for byte those of a sync save of the same state."""
     for r in ranks(2).run(cases.packed_tp_resume, family=family, save_config=save_config,
                           load_config=load_config, path=str(tmp_path / "ck"), async_save=async_save, timeout=240):
         packed = r["packed_saved"] or r["packed_loaded"]
@@ -456,6 +458,8 @@ def test_packed_tp_resume_across_layouts(ranks, tmp_path, family, save_config, l
         if r["packed_loaded"]:
             assert r["box_differ"] == sorted(f"{n}{s}" for n in r["packed_loaded"]
                                              for s in ("", ":exp_avg", ":exp_avg_sq")), r
+        if async_save:
+            assert r["async_files_differ"] == [], r
         if r["packed_saved"]:
             assert "overlapping chunks" in r["box_save_error"], r
             assert r["export_differ"] == [] and "overlapping chunks" in r["box_export_error"], r

@@ -12,7 +12,7 @@ import copy
 import datetime
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -98,11 +98,14 @@ class AsyncSaves:
             dist.destroy_process_group(group)
 
 
-def host_copy(state: Any) -> Any:
+def host_copy(state: Any, given: Mapping[str, Any] | None = None, _path: tuple = ()) -> Any:
     """A copy of a state dict in host memory that training cannot change: every tensor copied
     to the CPU (a DTensor keeps its mesh, placements and global shape around its copied local
     tensor), everything else deep-copied. What an async save writes once the call returns; held
-    by the save alone, so it is freed when written."""
+    by the save alone, so it is freed when written. `given`: values taken as they are at those
+    dotted keys (`model.<name>`), staged by their owner (packed.PackedSavePlanner.stage)."""
+    if given and _path and ".".join(map(str, _path)) in given:
+        return given[".".join(map(str, _path))]
     if isinstance(state, DTensor):
         local = state.to_local().detach().to("cpu", copy=True)
         return DTensor.from_local(local, state.device_mesh, state.placements, run_check=False,
@@ -110,11 +113,11 @@ def host_copy(state: Any) -> Any:
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        return {k: host_copy(v) for k, v in state.items()}
+        return {k: host_copy(v, given, (*_path, k)) for k, v in state.items()}
     if isinstance(state, list):
-        return [host_copy(v) for v in state]
+        return [host_copy(v, given, (*_path, i)) for i, v in enumerate(state)]
     if isinstance(state, tuple):
-        return tuple(host_copy(v) for v in state)
+        return tuple(host_copy(v, given, (*_path, i)) for i, v in enumerate(state))
     return copy.deepcopy(state)
 
 

@@ -213,11 +213,39 @@ def save_boxes(state: Any, keys: set[str]) -> dict[str, list[tuple[list[int], li
 
 class PackedSavePlanner(DefaultSavePlanner):
     """DCP's save planner, writing each packed tensor as the boxes each rank holds (one chunk
-    per box; the boxes of all ranks tile the tensor) instead of DCP's one wrong box per rank."""
+    per box; the boxes of all ranks tile the tensor) instead of DCP's one wrong box per rank.
+
+    A box is not contiguous in the local tensor, so writing it takes a contiguous copy; DCP's
+    writer (torch 2.13's `_write_files_from_queue`) keeps every tensor it wrote until its file is
+    closed, so those copies add up to one box per packed tensor for the whole save. A sync save
+    can afford that (it holds no copy of the state); an async save, which already holds a host
+    copy, stages each box contiguously once instead (`stage`), and the writer takes it as is."""
 
     def __init__(self, packed: dict[str, list[tuple[list[int], list[int], list[int]]]]):
         super().__init__()
         self.packed = packed
+        self.staged: dict[str, list[torch.Tensor]] = {}  # fqn -> a host copy of each box, in `packed` order
+
+    def stage(self, state: Any) -> dict[str, DTensor]:
+        """For an async save: copy each packed tensor's boxes into host memory, one contiguous
+        tensor per box, kept here and written as they are. Returns {key: a stand-in} for
+        async_save.host_copy to put in their place: a DTensor of the same mesh, placements,
+        shape and dtype whose local tensor holds no bytes (one element, expanded), which is all
+        planning reads of it (the checkpoint's metadata is the same as without staging)."""
+        stand_ins = {}
+        for path, t in _tensors(state):
+            fqn = _key(path)
+            if fqn not in self.packed or not isinstance(t, DTensor):
+                continue
+            local = t.to_local().detach()
+            copies = []
+            for _, sizes, at in self.packed[fqn]:
+                copies.append(torch.empty(sizes, dtype=local.dtype, device="cpu").copy_(_narrow(local, at, sizes)))
+            self.staged[fqn] = copies
+            empty = torch.zeros((), dtype=local.dtype).expand(local.shape)
+            stand_ins[fqn] = DTensor.from_local(empty, t.device_mesh, t.placements, run_check=False,
+                                                shape=t.shape, stride=t.stride())
+        return stand_ins
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -237,7 +265,10 @@ class PackedSavePlanner(DefaultSavePlanner):
         if fqn not in self.packed:
             return super().resolve_data(write_item)
         offsets = list(write_item.index.offset)
-        _, sizes, local = next(part for part in self.packed[fqn] if part[0] == offsets)
+        i = next(i for i, part in enumerate(self.packed[fqn]) if part[0] == offsets)
+        if fqn in self.staged:
+            return self.staged[fqn][i]
+        _, sizes, local = self.packed[fqn][i]
         return _narrow(_local(self.state_dict[fqn]), local, sizes).contiguous()
 
 
