@@ -368,7 +368,7 @@ def mixed_batch_in_subprocess(family: str, timeout: float = 150.0) -> dict:
 
     code = (
         "from smp.testing.rank_pool import RankPool\n"
-        "from tests import vlm_cases\n"
+        "from tests.models import vlm_cases\n"
         "pool = RankPool(2)\n"
         "try:\n"
         f"    print('RESULT', pool.run(vlm_cases.mixed_batch, config={{}}, family={family!r}, steps=1,"

@@ -199,7 +199,7 @@ def in_subprocess(case: str, timeout: float = 150.0, **kwargs) -> dict:
 
     code = (
         "from smp.testing.rank_pool import RankPool\n"
-        "from tests import vlm_mixed_cases\n"
+        "from tests.models import vlm_mixed_cases\n"
         "pool = RankPool(2)\n"
         "try:\n"
         f"    print('RESULT', pool.run(vlm_mixed_cases.{case}, timeout={timeout - 60}, **{kwargs!r}))\n"
