@@ -27,7 +27,7 @@ import torch
 from tests import REPO_ROOT
 
 ROOT = str(REPO_ROOT)
-SCRIPT = os.path.join(ROOT, "tests", "accelerate_script.py")
+SCRIPT = os.path.join(ROOT, "tests", "integrations", "accelerate_script.py")
 TOL = 1e-5  # float32 sums reordered by sharding / tensor parallelism (measured <= 5e-7)
 
 

@@ -29,7 +29,7 @@ from tests.reliability import reliability_cases
 from tests import REPO_ROOT
 
 ROOT = REPO_ROOT
-WORKER = str(ROOT / "tests" / "reliability_worker.py")
+WORKER = str(ROOT / "tests" / "reliability" / "reliability_worker.py")
 # Wall-clock bound for one launch: start-up (~10 s per rank on a loaded 2-core machine) plus
 # the failure handling (< 10 s). Far below the default 600 s collective timeout a hang would hit.
 DEADLINE = 150.0
