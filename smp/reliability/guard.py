@@ -57,6 +57,10 @@ ACK_TIMEOUT_SECONDS = 5.0
 EXIT_ORDER_SECONDS = ACK_TIMEOUT_SECONDS + 5.0
 # After the failing rank exited: time for the launcher to notice it before this rank exits.
 EXIT_GAP_SECONDS = 0.5
+# How long rank 0, when it hosts the store, stays after the release for every rank the record
+# expects to have read it: a rank still setting up (a loaded machine) reaches the record late,
+# and a store gone by then would make it blame rank 0 instead of the failing rank.
+STORE_HOST_LINGER_SECONDS = 20.0
 
 # Store keys live under smp/reliability/<torchrun restart>/<process group generation>/: the
 # store can outlive a worker group (torchrun --standalone keeps it across --max-restarts), and
@@ -65,6 +69,7 @@ FAILURE_KEY = "failure"
 _ACK_KEY = "acks"
 _RELEASE_KEY = "released"
 _FAILING_RANK_KEY = "failing_rank"
+_EXPECTED_ACKS_KEY = "expected_acks"
 
 # Errors every rank raises alike (a NaN check, a checkpoint, config or plan error): each rank
 # can catch its own; no rank is to blame or to be stopped.
@@ -275,6 +280,7 @@ def _handle_failure(watch: _Watch, exc: BaseException, step: int | None, where: 
         _wait_for_failing_rank_to_exit(store)
         raise PeerFailure(message) from exc
     try:
+        store.set(_EXPECTED_ACKS_KEY, str(alive_others))
         store.set(_FAILING_RANK_KEY, str(rank))
     except Exception:  # noqa: BLE001 - the store went away: nobody left to tell
         pass
@@ -308,6 +314,11 @@ def _acknowledge(store: dist.Store, rank: int) -> None:
             deadline = time.monotonic() + ACK_TIMEOUT_SECONDS
             while time.monotonic() < deadline and not store.check([_RELEASE_KEY]):
                 time.sleep(0.05)
+            if not _agent_hosts_store() and store.check([_EXPECTED_ACKS_KEY]):
+                expected = int(store.get(_EXPECTED_ACKS_KEY))
+                deadline = time.monotonic() + STORE_HOST_LINGER_SECONDS
+                while time.monotonic() < deadline and store.add(_ACK_KEY, 0) < expected:
+                    time.sleep(0.05)
     except Exception:  # noqa: BLE001
         pass
 
