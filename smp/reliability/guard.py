@@ -307,7 +307,10 @@ def _wait_for_acks(store: dist.Store, expected: int) -> None:
 
 def _acknowledge(store: dist.Store, rank: int) -> None:
     try:
-        store.add(_ACK_KEY, 1)
+        # Once per rank: its watchdog and its main thread (a collective that failed meanwhile) may
+        # both get here, and a double count would release the store's host before a late rank read.
+        if store.add(f"{_ACK_KEY}/{rank}", 1) == 1:
+            store.add(_ACK_KEY, 1)
         if rank == 0:
             # Rank 0 usually hosts the store: stay until the failing rank has counted the
             # acknowledgements, or its own store calls fail (noisily) when this process exits.
