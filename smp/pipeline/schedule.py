@@ -240,8 +240,7 @@ class PipelinedModel(nn.Module):
             micro_loss = MicroBatchLoss(scale * dp * cp_size / max(float(targets), 1.0), preshifted=cp is not None)
         else:  # the mean of loss_fn's micro-batch values (the batch mean when they weigh the same)
             micro_loss = MicroBatchLoss(scale / microbatches, loss_fn=loss_fn)
-        input_ids, labels, mask = _pad_rows(input_ids, labels, mask, padded_rows)
-        positions = _pad_positions(positions, padded_rows)
+        input_ids, labels, mask, positions = _pad_rows(input_ids, labels, mask, positions, padded_rows)
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
         positions = None if positions is None else positions.to(self.device)
         # The schedule hands keyword inputs to every stage, split into micro-batches like the ids.
@@ -468,25 +467,22 @@ def _positions(positions: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def _pad_rows(input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None,
-              rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The batch with rows appended up to `rows`: token 0, every label ignored, the mask all ones
-    (a row that attends like any other, whose loss and gradients are zero)."""
+              positions: torch.Tensor | None, rows: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The batch with rows appended up to `rows`: token 0, every label ignored, the mask all ones,
+    positions counting 0, 1, 2, ... (a row that attends like any other, whose loss and gradients
+    are zero)."""
     extra = rows - input_ids.shape[0]
     if extra == 0:
-        return input_ids, labels, mask
+        return input_ids, labels, mask, positions
     input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, input_ids.shape[1])])
     labels = torch.cat([labels, labels.new_full((extra, labels.shape[1]), IGNORE_INDEX)])
     if mask is not None:
         mask = torch.cat([mask, mask.new_ones(extra, mask.shape[1])])
-    return input_ids, labels, mask
-
-
-def _pad_positions(positions: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    """`positions` with the rows `_pad_rows` appends, each counting 0, 1, 2, ..."""
-    if positions is None or positions.shape[0] == rows:
-        return positions
-    counting = torch.arange(positions.shape[1], device=positions.device, dtype=positions.dtype)
-    return torch.cat([positions, counting.expand(rows - positions.shape[0], -1)])
+    if positions is not None:
+        counting = torch.arange(positions.shape[1], device=positions.device, dtype=positions.dtype)
+        positions = torch.cat([positions, counting.expand(extra, -1)])
+    return input_ids, labels, mask, positions
 
 
 def _context_parallel(model: PipelinedModel, loss_fn: Callable | None, seq_len: int,

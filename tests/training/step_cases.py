@@ -57,10 +57,10 @@ def _cut_without_load_balance(shard_batch):
 def _pad_with_targets(pad_rows):
     """Negative control: the rows padding a ragged pipeline batch keep targets (token 0 -> 0)."""
 
-    def broken(input_ids, labels, mask, rows):
-        ids, padded, mask = pad_rows(input_ids, labels, mask, rows)
+    def broken(input_ids, labels, mask, positions, rows):
+        ids, padded, mask, positions = pad_rows(input_ids, labels, mask, positions, rows)
         padded[labels.shape[0]:] = 0
-        return ids, padded, mask
+        return ids, padded, mask, positions
 
     return broken
 
