@@ -32,10 +32,12 @@ CONTEXT_PARALLEL_SCHEDULES = ("gpipe", "1f1b")
 @dataclass(frozen=True)
 class Feature:
     name: str
-    where: str  # "config": read off the config alone; "world": needs the mesh; "run": how smp is run
+    where: str  # "config": read off the config alone; "world": needs the mesh; "run": how smp is run;
+    # "model": decided by smp.transform from the model (checked with `check_run`)
     on: Callable[[Any, Any], bool]  # (config, dims or None) -> whether this run has it
     setting: Callable[[Any, Any], str]  # how the user turned it on, for messages
     example: dict  # the smallest config turning it on (tests/core/test_composition.py enumerates these)
+    meaning: str = ""  # for features the model decides ("model"): what turns them on, for the legend
 
 
 def _degree(key: str) -> tuple[Callable[[Any, Any], bool], Callable[[Any, Any], str]]:
@@ -64,6 +66,12 @@ FEATURES = {f.name: f for f in (
     Feature("offloading", "config", lambda c, d: c.activation_offloading,
             lambda c, d: "activation_offloading: true", {"activation_offloading": True}),
     Feature("compile", "config", lambda c, d: c.compile.enabled, lambda c, d: "compile: true", {"compile": True}),
+    Feature("cuda_graphs", "config", lambda c, d: c.compile.enabled and c.compile.cuda_graphs,
+            lambda c, d: "compile.cuda_graphs: true", {"compile": {"cuda_graphs": True}}),
+    Feature("cpu_offload", "config", lambda c, d: c.cpu_offload, lambda c, d: "cpu_offload: true", {"cpu_offload": True}),
+    Feature("param_cast", "config", lambda c, d: c.mixed_precision.param_dtype not in (None, "float32", "fp32"),
+            lambda c, d: f"mixed_precision.param_dtype {c.mixed_precision.param_dtype!r}",
+            {"mixed_precision": {"param_dtype": "bf16"}}),
     Feature("aux_loss", "config", lambda c, d: c.moe.moe_load_balancing == "aux_loss",
             lambda c, d: "moe.moe_load_balancing 'aux_loss'", {"moe": {"moe_load_balancing": "aux_loss"}}),
     Feature("split_backward", "config", lambda c, d: _pp(c) and c.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES,
@@ -87,6 +95,11 @@ FEATURES = {f.name: f for f in (
     Feature("dp", "world", lambda c, d: d is not None and d.dp > 1,
             lambda c, d: f"{d.dp} data-parallel ranks per stage", {}),
     Feature("trainer", "run", lambda c, d: False, lambda c, d: "SMPTrainer", {}),
+    Feature("fsdp_units", "model", lambda c, d: False, lambda c, d: "FSDP units (built by smp.transform for this model)",
+            {}, "FSDP units built at world 1: parameters not all float32 under mixed precision, smp's gradient-sync "
+            "or parameter-gather collectives, cpu_offload, reshard_after_forward set"),
+    Feature("experts", "model", lambda c, d: False, lambda c, d: "a mixture-of-experts model", {},
+            "a mixture-of-experts model (modules holding [num_experts, ...] parameters)"),
     Feature("peft", "run", lambda c, d: False, lambda c, d: "a PEFT (LoRA) model", {}),
 )}
 
@@ -172,6 +185,43 @@ REFUSED = (
             "tests/integrations/test_trainer.py::test_pipeline_parallel_is_refused_at_construction"),
 )
 
+# CUDA graphs (compile.cuda_graphs) replay each compiled block from fixed addresses, with nothing
+# between the graphs but the step's own Python: what smp has proven is world 1 without FSDP units.
+_UNITS = ("FSDP units free each block's gathered parameters and allocate them again (addresses the captured "
+          "graphs do not read: torch records the graphs again each step), and run their hooks and collectives "
+          "between the graphs; smp replays CUDA graphs where no FSDP unit is built (world 1)")
+_NOT_CAPTURED = "its collectives run inside each block, and smp has not proven them captured in CUDA graphs"
+_OFF = "or set compile.cuda_graphs: false"
+_CUDA_GRAPH_PROOF = "tests/core/test_cuda_graphs.py::test_refused_layouts_name_the_key_and_the_fix"
+CUDA_GRAPH_REFUSALS = tuple(Refusal(("cuda_graphs", feature), reason, f"{fix}, {_OFF}", proof) for feature, reason, fix, proof in (
+    ("tp", _NOT_CAPTURED, "set tensor_parallel_degree: 1", _CUDA_GRAPH_PROOF),
+    ("cp", _NOT_CAPTURED, "set context_parallel_degree: 1", _CUDA_GRAPH_PROOF),
+    ("ep", "each expert receives a data-dependent number of tokens, known only after a host sync, which a CUDA "
+     "graph cannot hold", "set expert_parallel_degree: 1", _CUDA_GRAPH_PROOF),
+    ("pp", "the schedule runs each stage per micro-batch with sends and receives between them, which smp has not "
+     "proven under CUDA graphs", "set pipeline_parallel_degree: 1", _CUDA_GRAPH_PROOF),
+    ("offloading", "offloading copies saved activations to host memory from hooks outside the graphs, and a "
+     "graph's outputs live in a pool the next replay overwrites", "set activation_offloading: false", _CUDA_GRAPH_PROOF),
+    ("cpu_offload", _UNITS, "set cpu_offload: false", _CUDA_GRAPH_PROOF),
+    ("param_cast", "smp's world-1 mixed precision casts each parameter into a new tensor at every forward, while the "
+     "graphs read parameters at fixed addresses (torch would record them again each step)",
+     "remove mixed_precision.param_dtype and run the step under torch.autocast (the casts then happen inside the "
+     "graphs)", _CUDA_GRAPH_PROOF),
+    ("param_gather", _UNITS, "set parameter_gather.algorithm: default", _CUDA_GRAPH_PROOF),
+    ("hierarchical_gather", _UNITS, "set parameter_gather.hierarchical: false", _CUDA_GRAPH_PROOF),
+    ("ring_sync", _UNITS, "set gradient_sync.algorithm: default", _CUDA_GRAPH_PROOF),
+    ("reshard", _UNITS, "remove reshard_after_forward (at world 1 smp then builds no FSDP unit)", _CUDA_GRAPH_PROOF),
+    # After the config's rows: a config refused on its own is refused for its own reason at any world size.
+    ("dp", _UNITS, "run at world 1 (one data-parallel rank)", _CUDA_GRAPH_PROOF),
+    ("fsdp_units", _UNITS, "keep the parameters float32 (train under torch.autocast rather than mixed_precision."
+     "param_dtype), leave gradient_sync and parameter_gather at default",
+     "tests/core/test_cuda_graphs.py::test_fsdp_units_at_world_1_are_refused"),
+    ("experts", "each expert receives a data-dependent number of tokens, known only after a host sync, which a CUDA "
+     "graph cannot hold", "compile: true alone still compiles the blocks",
+     "tests/core/test_cuda_graphs.py::test_experts_are_refused"),
+))
+REFUSED += CUDA_GRAPH_REFUSALS
+
 # Combinations a test proves equal to one process (loss and gradients), beyond each feature alone.
 PROVEN = {
     ("tp", "dp"): "tests/tensor_parallel/test_tensor_parallel.py::test_matches_single_process",
@@ -239,7 +289,8 @@ def check_world(config: Any, dims: Any) -> None:
 
 
 def check_run(config: Any, run: tuple[str, ...]) -> None:
-    """Raise ConfigError for a refused set including how smp runs (`run`: "trainer", "peft")."""
+    """Raise ConfigError for a refused set including how smp runs (`run`: "trainer", "peft") or
+    what smp.transform found in the model ("fsdp_units", "experts")."""
     found = refusal(features(config, None, run))
     if found is not None:
         raise ConfigError(found.message(config, degrees=degrees(config)))
@@ -266,7 +317,8 @@ def feature_legend() -> str:
     lines = ["| feature | turned on by |", "|---|---|"]
     for f in FEATURES.values():
         how = {"world": "more than one data-parallel rank per stage (world size / other degrees)",
-               "run": "SMPTrainer" if f.name == "trainer" else "a PEFT model under SMPTrainer"}.get(f.where)
+               "run": "SMPTrainer" if f.name == "trainer" else "a PEFT model under SMPTrainer",
+               "model": f.meaning}.get(f.where)
         lines.append(f"| `{f.name}` | {how or '`' + json.dumps(f.example) + '`'} |")
     return "\n".join(lines) + "\n"
 

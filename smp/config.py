@@ -152,6 +152,10 @@ class TensorParallelConfig(_Strict):
     plan: dict[str, str] | None = None
 
 
+# Backends under which torch replays CUDA graphs (smp/compile.py maps each to its torch.compile call).
+CUDA_GRAPH_BACKENDS = ("inductor", "aot_eager", "cudagraphs")
+
+
 class CompileConfig(_Strict):
     # torch.compile each block (smp/compile.py). Off by default: the first steps pay the compile
     # time (tens of seconds for a Llama block with inductor), and not every model traces.
@@ -159,6 +163,32 @@ class CompileConfig(_Strict):
     # A torch.compile backend (torch.compiler.list_backends()): "inductor" generates fused
     # kernels; "aot_eager" traces the same graphs without code generation (CPU tests).
     backend: str = "inductor"
+    # Replay each compiled block's forward and backward as CUDA graphs (torch's cudagraph trees:
+    # inductor's mode="reduce-overhead"; with aot_eager, torch's "cudagraphs" backend). Pays where
+    # the host sets the step's pace (small or medium models on a fast GPU) and shapes are static:
+    # a new batch shape records new graphs (one more copy of its activations in the graphs' pool).
+    # CUDA only, world 1 without FSDP units (smp/composition.py says what else it refuses).
+    # `compile: {cuda_graphs: true}` turns compile on too.
+    cuda_graphs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cuda_graphs_compile(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        graphs, backend = data.get("cuda_graphs"), data.get("backend")
+        if backend == "cudagraphs":  # torch's own CUDA-graphs backend: the same as cuda_graphs over aot_eager
+            if graphs is False:
+                raise ValueError("compile.backend 'cudagraphs' replays CUDA graphs; remove cuda_graphs: false, "
+                                 "or pick backend 'aot_eager' to compile without them")
+            if data.get("enabled") is True or graphs is True:
+                data, graphs = {**data, "cuda_graphs": True}, True
+        if graphs is True:
+            if data.get("enabled") is False:
+                raise ValueError("compile.cuda_graphs: true replays compiled blocks, but compile.enabled is false; "
+                                 "remove enabled: false, or set cuda_graphs: false")
+            data = {**data, "enabled": True}
+        return data
 
     @field_validator("backend")
     @classmethod
@@ -169,6 +199,15 @@ class CompileConfig(_Strict):
         if value not in known:
             raise ValueError(f"unknown torch.compile backend {value!r}; one of {', '.join(known)}")
         return value
+
+    @model_validator(mode="after")
+    def _cuda_graphs_backend(self) -> "CompileConfig":
+        if self.cuda_graphs and self.backend not in CUDA_GRAPH_BACKENDS:
+            raise ValueError(
+                f"compile.cuda_graphs needs backend {' / '.join(CUDA_GRAPH_BACKENDS)} (torch captures CUDA graphs "
+                f"only behind these), got backend {self.backend!r}; set backend: inductor, or cuda_graphs: false"
+            )
+        return self
 
 
 class ContextParallelConfig(_Strict):
@@ -413,7 +452,8 @@ class SMPConfig(_Strict):
     @field_validator("compile", mode="before")
     @classmethod
     def _compile_from_bool(cls, value: Any) -> Any:
-        # `compile: true` turns it on with the default backend; the object form picks one.
+        # `compile: true` turns it on with the default backend; the object form picks one
+        # (and `{cuda_graphs: true}` turns it on with CUDA graphs).
         return {"enabled": value} if isinstance(value, bool) else value
 
     @field_validator("pipeline", mode="before")

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from smp import scope as _scope
 from smp.config import ConfigError, ConfigSource, SMPConfig, load_config
+from smp.compile import check_cuda_graphs
 from smp.fp8 import check_fp8
 from smp.mesh import ParallelDims, default_backend, device_type_for
 from smp.reliability.guard import report_uncaught_errors
@@ -228,6 +229,7 @@ def init(config: ConfigSource = None, *, backend: str | None = None, integration
     else:
         device = torch.device("cpu")
     check_fp8(cfg.fp8.recipe if cfg.fp8 else None, device)  # float8 needs CUDA >= 8.9 (smp/fp8.py)
+    check_cuda_graphs(cfg.compile.cuda_graphs, device)  # CUDA graphs need CUDA (smp/compile.py)
 
     if owns:
         if "MASTER_ADDR" not in os.environ and world_size == 1:

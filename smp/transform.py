@@ -20,7 +20,7 @@ from smp import composition, runtime
 from smp.activations import apply_activation_checkpointing, apply_activation_offloading
 from smp.activations.checkpointing import mode_advice
 from smp.anatomy import Anatomy, describe
-from smp.compile import apply_compile
+from smp.compile import apply_compile, check_cuda_graph_layout
 from smp.config import ConfigError, MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import AttentionProbe, install_attention_probe
@@ -193,7 +193,13 @@ def _activation_offloading(model: nn.Module, run: Run) -> None:
 
 
 def _compile(model: nn.Module, run: Run) -> None:
-    apply_compile(model, run.blocks, run.cfg.compile.backend)
+    apply_compile(model, run.blocks, run.cfg.compile.backend, cuda_graphs=run.cfg.compile.cuda_graphs)
+
+
+def _cuda_graph_layout(model: nn.Module, run: Run) -> None:
+    """CUDA graphs replay where no FSDP unit was built and no expert routes tokens (the table's
+    rows that need the model: smp/composition.py)."""
+    check_cuda_graph_layout(run.cfg, model, run.anatomy.experts)
 
 
 def _fsdp(model: nn.Module, run: Run) -> None:
@@ -280,6 +286,7 @@ RECIPE = (
     Step("activation_offloading", lambda d, c: c.activation_offloading, _activation_offloading),
     Step("compile", lambda d, c: c.compile.enabled, _compile),  # per block, after TP and checkpointing
     Step("fsdp", _always, _fsdp),  # last wrapper: one unit per block, then the root
+    Step("cuda_graph_layout", lambda d, c: c.compile.cuda_graphs, _cuda_graph_layout),  # once the units are known
     Step("image_paths", _always, _image_paths),  # a VLM's tower units gather on every rank (smp/vision)
     Step("batch_norm", lambda d, c: d.dp * d.cp > 1, _batch_norm),  # batch statistics of one rank's rows refused
     Step("gradient_sync", _always, _gradient_sync),  # smp's collectives on every FSDP unit, when configured

@@ -22,12 +22,14 @@ ROOT = REPO_ROOT
 
 # What each feature's example config turns on besides itself, worked out by hand (not by the
 # code under test): sequence / loss parallel need tp; the schedules need pp, and the zero-bubble
-# one is not proven under cp either; ep's and hsdp's ranks are data-parallel ranks.
+# one is not proven under cp either; ep's and hsdp's ranks are data-parallel ranks; CUDA graphs
+# replay compiled blocks.
 IMPLIED = {
     "sp": {"tp"}, "loss_parallel": {"tp"}, "split_backward": {"pp", "unproven_cp_schedule"},
-    "unproven_cp_schedule": {"pp"}, "ep": {"dp"}, "hsdp": {"dp"},
+    "unproven_cp_schedule": {"pp"}, "ep": {"dp"}, "hsdp": {"dp"}, "cuda_graphs": {"compile"},
 }
-ENUMERATED = [name for name, f in composition.FEATURES.items() if f.where != "run"]
+# Features of how smp runs (the Trainer) or of the model (smp.transform decides) are not in a config.
+ENUMERATED = [name for name, f in composition.FEATURES.items() if f.where not in ("run", "model")]
 
 
 def _merge(a: dict, b: dict) -> dict:
