@@ -5,9 +5,11 @@
 #   bash scripts/fetch_gpu_wheels.sh [--python-version 3.12] [--platform manylinux2014_x86_64] [--dest DIR]
 #
 # The image (Python 3.12, torch 2.11, transformers 5.17, accelerate 1.15, triton 3.6, safetensors,
-# xxhash, pyyaml, peft, numpy, typing-extensions, pynvml) has every import of smp but pydantic;
-# pydantic brings pydantic-core (compiled: hence the Python version and platform), annotated-types,
-# typing-inspection and typing-extensions (fetched too, used only where the image's is too old).
+# xxhash, pyyaml, peft, numpy, typing-extensions, pynvml) has every import of smp but pydantic,
+# and not torchao (fp8 training, the GPU check's fp8 step); pydantic brings pydantic-core
+# (compiled: hence the Python version and platform), annotated-types, typing-inspection and
+# typing-extensions (fetched too, used only where the image's is too old). torchao declares no
+# dependency (it uses the torch it finds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,12 +30,13 @@ done
 
 # The version CI pins (requirements-ci.txt), so the GPU run uses what the tests ran with.
 PYDANTIC=$(grep -E '^pydantic==' requirements-ci.txt)
+TORCHAO=$(grep -E '^torchao==' requirements-ci.txt)
 
 platform_args=()
 for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
 mkdir -p "$DEST"
 python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --implementation cp \
-  --python-version "$PYVER" "${platform_args[@]}" -d "$DEST" "$PYDANTIC"
-echo "$PYDANTIC" > "$DEST/requirements.txt"
+  --python-version "$PYVER" "${platform_args[@]}" -d "$DEST" "$PYDANTIC" "$TORCHAO"
+printf '%s\n' "$PYDANTIC" "$TORCHAO" > "$DEST/requirements.txt"
 ls -1 "$DEST"/*.whl
 echo "wheels for Python $PYVER in $DEST; on the GPU machine: bash scripts/gpu_check.sh"

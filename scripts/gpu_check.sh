@@ -41,17 +41,21 @@ fi
 
 WHEELS=${SMP_GPU_WHEELS:-$REPO/wheels/gpu}
 SITE=${SMP_GPU_SITE:-/tmp/smp-gpu-site}
-if ! "$PYTHON" -c 'import pydantic' 2>/dev/null; then
-  if ! PYTHONPATH=$SITE "$PYTHON" -c 'import pydantic' 2>/dev/null; then
-    if [ ! -f "$WHEELS/requirements.txt" ]; then
-      echo "gpu_check: $PYTHON has no pydantic and $WHEELS holds no wheels. Where the package index is," >&2
+# pydantic is needed (smp's config); torchao only by the fp8 step, which is skipped without it.
+missing() { for m in pydantic torchao; do PYTHONPATH=${1:+$1:}${PYTHONPATH:-} "$PYTHON" -c "import $m" 2>/dev/null || echo "$m"; done; }
+if [ -n "$(missing)" ]; then
+  if [ -n "$(missing "$SITE")" ]; then
+    if [ -f "$WHEELS/requirements.txt" ]; then
+      echo "gpu_check: installing $(tr '\n' ' ' < "$WHEELS/requirements.txt")from $WHEELS into $SITE (no index)"
+      "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" \
+        --no-compile --upgrade --target "$SITE" -r "$WHEELS/requirements.txt"
+    fi
+    if missing "$SITE" | grep -qx pydantic; then
+      echo "gpu_check: $PYTHON has no pydantic and $WHEELS holds no wheels of it. Where the package index is," >&2
       echo "  run: bash scripts/fetch_gpu_wheels.sh --python-version $("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" >&2
       echo "  and bring wheels/gpu/ along (it is ignored by git; the device tool carries it with carry: [\"wheels\"])." >&2
       exit 2
     fi
-    echo "gpu_check: installing $(tr '\n' ' ' < "$WHEELS/requirements.txt")from $WHEELS into $SITE (no index)"
-    "$PYTHON" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" \
-      --no-compile --upgrade --target "$SITE" -r "$WHEELS/requirements.txt"
   fi
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi

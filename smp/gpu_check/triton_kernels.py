@@ -1,9 +1,12 @@
 """Step 2 (CUDA only): smp_collectives' fused Triton kernels, compiled for the device.
 
-Bitwise equality with the torch path (int8 and fp8, with error feedback), then bandwidth:
-quantise + error feedback and dequantise + accumulate, in GB/s of the bytes each must move,
-against a device-to-device copy measured in the same run (goal: >= 70% of it) and against the
-unfused torch chain. On CPU the test suite runs the same kernels under TRITON_INTERPRET=1.
+Gradient sync's kernels: bitwise equality with the torch path (int8 and fp8, with error
+feedback), then bandwidth: quantise + error feedback and dequantise + accumulate, in GB/s of the
+bytes each must move, against a device-to-device copy measured in the same run (goal: >= 70% of
+it) and against the unfused torch chain. The parameter gather's kernels (`parameter_gather:`):
+encode a bf16 shard into its message row and decode the gathered rows into bf16 parameters,
+bitwise equal to the torch path (int8 and fp8), and their bandwidth against the same copy. On
+CPU the test suite runs the same kernels under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -88,6 +91,54 @@ def bandwidth(device: torch.device, repeats: int) -> list[Figure]:
     return figures
 
 
+def gather_bitwise(device: torch.device, kind: str) -> list[Figure]:
+    """The parameter gather's encode and decode: Triton vs torch on one bf16 shard per row."""
+    from smp_collectives import parameter_gather as pg
+
+    cols = 100_000  # a short last block
+    width = pg.message_width(cols, BLOCK)
+    g = torch.Generator(device=device).manual_seed(1)
+    shards = (torch.randn(ROWS, cols, device=device, generator=g) * 3).to(torch.bfloat16)
+    messages = {impl: torch.empty(ROWS, width, dtype=torch.uint8, device=device) for impl in ("torch", "triton")}
+    for impl, message in messages.items():
+        for row in range(ROWS):
+            pg.encode_shard(shards[row], BLOCK, kind, message[row], impl=impl)
+    encode_equal = torch.equal(messages["torch"], messages["triton"])
+    decoded = {impl: pg.decode_message(messages["torch"], cols, BLOCK, kind,
+                                       torch.empty(ROWS, cols, dtype=torch.bfloat16, device=device), impl=impl)
+               for impl in ("torch", "triton")}
+    decode_equal = torch.equal(decoded["torch"], decoded["triton"])
+    return [
+        check(f"parameter gather {kind} encode: bitwise equal to torch", encode_equal, encode_equal, "True"),
+        check(f"parameter gather {kind} decode to bf16: bitwise equal to torch", decode_equal, decode_equal, "True"),
+    ]
+
+
+def gather_bandwidth(device: torch.device, repeats: int, copy_gbs: float) -> list[Figure]:
+    """Encode one rank's bf16 shard (COLS values) and decode ROWS gathered rows into bf16."""
+    from smp_collectives import parameter_gather as pg
+
+    width = pg.message_width(COLS, BLOCK)
+    shard = torch.randn(COLS, device=device).to(torch.bfloat16)
+    message = torch.empty(ROWS, width, dtype=torch.uint8, device=device)
+    pg.encode_shard(shard, BLOCK, "int8", message[0], impl="triton")
+    message[1:] = message[0]
+    out = torch.empty(ROWS, COLS, dtype=torch.bfloat16, device=device)
+    encode_s = cuda_seconds(lambda: pg.encode_shard(shard, BLOCK, "int8", message[0], impl="triton"), repeats)
+    decode_s = cuda_seconds(lambda: pg.decode_message(message, COLS, BLOCK, "int8", out, impl="triton"), repeats)
+    # Bytes each must move: encode reads the bf16 shard, writes codes and scales; decode reads
+    # every row's message and writes the bf16 parameters.
+    moved = {"encode (bf16 shard -> message)": (2 * COLS + width, encode_s),
+             "decode (messages -> bf16 parameters)": (ROWS * width + 2 * ROWS * COLS, decode_s)}
+    figures = []
+    for what, (nbytes, seconds) in moved.items():
+        gbs = nbytes / seconds / 1e9
+        figures.append(Figure(f"parameter gather int8 {what}: Triton bandwidth", gbs, "GB/s"))
+        figures.append(check(f"parameter gather int8 {what}: fraction of copy bandwidth", gbs / copy_gbs,
+                             gbs / copy_gbs >= BANDWIDTH_GOAL, f">= {BANDWIDTH_GOAL:.2f}"))
+    return figures
+
+
 def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepResult:
     try:
         import triton  # noqa: F401
@@ -100,4 +151,8 @@ def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepRes
     for kind in ("int8", "fp8"):
         result.figures += bitwise(device, kind)
     result.figures += bandwidth(device, repeats=max(steps, 20))
+    for kind in ("int8", "fp8"):
+        result.figures += gather_bitwise(device, kind)
+    copy_gbs = next(f.value for f in result.figures if f.name == "device copy bandwidth")
+    result.figures += gather_bandwidth(device, max(steps, 20), copy_gbs)
     return result.finish()
