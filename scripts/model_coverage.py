@@ -1,9 +1,10 @@
 """Write the model-coverage matrix: every model family x parallelism mode (FSDP, delayed init,
-TP=2, TP=2 + sequence parallel, full checkpointing + offloading on world 2; FSDP hybrid
-sharding, and TP=2 x FSDP 2 + SP for the families exact at TP=2 + SP, on world 4), each cell
-"exact" (loss and gradients within 1e-5 of one process; delayed init also bitwise parameters)
-or "refused" with smp's reason; beside smp's TP=2, the same check for transformers' own TP=2
-(`DistributedConfig(tp_size=2)`), the peer.
+TP=2, TP=2 + sequence parallel, full checkpointing + offloading, pipeline 2, packed sequences
+through smp.step, PEFT LoRA under TP=2 on world 2; FSDP hybrid sharding, and TP=2 x FSDP 2 + SP
+for the families exact at TP=2 + SP, on world 4), each cell "exact" (loss and gradients within
+1e-5 of one process; delayed init also bitwise parameters) or "refused" with smp's reason;
+beside smp's TP=2, the same check for transformers' own TP=2 (`DistributedConfig(tp_size=2)`),
+the peer.
 Families come from transformers' registry (every causal-LM family whose config ships a
 `base_model_tp_plan`) plus BERT-MLM, T5 and GPT-2; nothing is listed by hand.
 
@@ -54,16 +55,26 @@ COLUMNS = {
     "ac-offload": "full checkpointing + offloading (world 2)",
     "tp2-fsdp2-sp": "TP=2 x FSDP 2 + sequence parallel (world 4)",
     "pp2": "pipeline 2 stages, 1F1B, 4 micro-batches (world 2)",
+    "packed": "packed sequences through smp.step, TP=2 + sequence parallel (FSDP 2 where TP=2 + SP is not exact; "
+              "world 2)",
+    "lora-tp2": "PEFT LoRA on every linear but the head, TP=2 (world 2)",
 }
 # mode -> its column head in the table (the full title is in the legend under it)
 SHORT = {
     "fsdp": "FSDP", "hybrid": "hybrid 2x2", "delayed": "delayed init", "tp2": "TP 2", "peer": "peer TP 2",
     "tp2-sp": "TP 2 + SP", "ac-offload": "AC + offload", "tp2-fsdp2-sp": "TP2 x FSDP2 + SP",
-    "pp2": "PP 2",
+    "pp2": "PP 2", "packed": "packed", "lora-tp2": "LoRA x TP 2",
 }
 # mode -> the mode whose exact cell it needs first: world 4 is costly on a small machine, and a
 # family not exact at TP=2 + SP on world 2 gains nothing from the larger world.
 NEEDS_EXACT = {"tp2-fsdp2-sp": "tp2-sp"}
+# mode -> (the mode whose exact cell its layout needs, its case's arguments otherwise): packed
+# rows run under TP=2 + SP where the family is exact there (rows cut by sequence across the
+# documents' boundaries), else under FSDP 2 (rows split over the data ranks), so that a family's
+# packed cell is about packing, not the TP refusal it already has.
+FALLBACK = {"packed": ("tp2-sp", {"layout": "fsdp"})}
+# modes of the text families only: not columns of the vision section
+TEXT_ONLY = ("peer", "packed", "lora-tp2")
 NOT_RUN = "not run yet"
 
 # The vision, multimodal and speech section ("--section vision"): the text columns that apply
@@ -81,7 +92,7 @@ VISION_CASES = {"mixed": vcases.mixed_batch, "round-trip": vcases.pretrained_rou
 def vision_columns() -> dict[str, str]:
     """mode -> title of the section's columns: the text matrix's that apply (read when called:
     another mode may join COLUMNS) and the section's own."""
-    return {**{m: t for m, t in COLUMNS.items() if m != "peer"}, **VISION_EXTRA}
+    return {**{m: t for m, t in COLUMNS.items() if m not in TEXT_ONLY}, **VISION_EXTRA}
 
 
 def vision_short(mode: str) -> str:
@@ -102,10 +113,11 @@ def families(only: list[str] | None) -> list[tuple[str, str | None]]:
     return [(f, r) for f, r in listed if not only or f in only]
 
 
-def cell(pool: RankPool, family: str, mode: str) -> dict:
+def cell(pool: RankPool, family: str, mode: str, arguments: dict | None = None) -> dict:
+    """The family's cell under `mode`, its case called with cases.MODES[mode] updated by `arguments`."""
     case = cases.CASE_FUNCTIONS.get(mode, cases.classify)
     try:
-        results = pool.run(case, family=family, timeout=240, **cases.MODES[mode])
+        results = pool.run(case, family=family, timeout=240, **{**cases.MODES[mode], **(arguments or {})})
     except RankTimeout as e:
         return {"status": "crash", "detail": f"timed out: {e}"}
     except RankFailure as e:  # the case itself failed before it could classify
@@ -177,7 +189,10 @@ def run_rows(pool: Callable[[int], RankPool], only: list[str] | None, modes: lis
                 texts[mode] = f"not run: {needed_text.split(':')[0]} under {COLUMNS[needed]}"
             else:
                 world = cases.WORLD.get(mode, 2)
-                texts[mode] = cell_text(cell(pool(world), family, mode))
+                preferred, otherwise = FALLBACK.get(mode, (None, {}))
+                preferred_text = texts.get(preferred, rows.get(family, {}).get(preferred, NOT_RUN))
+                arguments = otherwise if preferred and not preferred_text.startswith("exact") else {}
+                texts[mode] = cell_text(cell(pool(world), family, mode, arguments))
             print(family, mode, texts[mode][:160], flush=True)
             yield family, mode, texts[mode]
 
@@ -247,7 +262,16 @@ families exact at TP 2 + SP. *Peer TP 2* is transformers' own tensor parallelism
 folder (`from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))`) against the same
 folder in one process. *AC + offload* wraps every block in full checkpointing and offloads every
 saved activation (`activation_offload_min_bytes: 0`). A family whose training forward draws random
-numbers (PhiMoE's sampled routing) is compared in eval mode and says so. The hand-built TP cases
+numbers (PhiMoE's sampled routing) is compared in eval mode and says so. *Packed* runs a packed
+batch (4 rows of 3 documents, position ids restarting at each document, each document's first
+token not a target, no attention mask: what `DataCollatorWithFlattening` and TRL's padding-free
+packing make) through `smp.step` under TP 2 + SP, or FSDP 2 for a family not exact at TP 2 + SP
+(the cell says so), against one process on the same batch; that one-process run is first held to
+the documents run one by one (1e-5), and a family whose transformers model attends across the
+documents is *not run* with the two gaps, never exact (causal LMs only). *LoRA x TP 2* wraps the
+family in PEFT LoRA (rank 4, adapters random at start) on every linear layer but the head, and
+compares the loss and every gradient with the same PEFT model in one process (exact needs at
+least one adapter split). The hand-built TP cases
 behind this (per-head norms, MoE experts, gathered regions, user plans, negative controls) are in
 [Tensor parallelism](../docs/tensor-parallel.md)."""
 
@@ -401,7 +425,13 @@ REFUSAL_KINDS = [
     (r"blank image|image path", "mixed batch: the image path cannot run on a rank whose rows have no image"),
     (r"delayed initialisation cannot", "delayed init: construction that smp cannot replay on the meta device "
                                        "(build eagerly, or `transform(weights=folder)`)"),
+    (r"lora_[AB]\.\w+\.weight .* is replicated inside the split region",
+     "LoRA on a whole layer inside a split region (MLA's q_a_proj): smp cannot tell whether its adapter's "
+     "gradient is whole (leave that layer out of target_modules)"),
     (r"replicated inside the split region", "a replicated parameter inside a tensor-parallel region"),
+    (r"carries LoRA adapters and its plan style is",
+     "LoRA beside a layer the plan splits other than plain column- or row-wise (gathered, fused or expert "
+     "styles): leave it out of target_modules, or out of the plan"),
     (r"pipeline stages|base_model_pp_plan|smp splits a transformers causal LM",
      "pipeline split: the forward does more between layers than smp can place on stages"),
     (r"sequence_parallel", "sequence parallel does not apply to this model's regions"),
@@ -412,19 +442,36 @@ REFUSAL_KINDS = [
 ]
 
 
-def refusal_kind(text: str) -> str:
-    for pattern, meaning in REFUSAL_KINDS:
+# Kinds of "not run" (the column does not apply to the family), for the summary's text section,
+# as REFUSAL_KINDS.
+NOT_RUN_KINDS = [
+    (r"not packing-aware in transformers", "packed rows: transformers' model mixes tokens across the documents "
+                                           "(its mask ignores position_ids, or a convolution or linear-attention "
+                                           "layer crosses them), in one process already: train it unpacked"),
+    (r"cannot run the packed rows", "packed rows: transformers' model fails on them in one process"),
+    (r"is not a causal LM", "packed rows: not a causal LM"),
+    (r"splits none of the linear layers LoRA adapts", "LoRA x TP 2: the plan splits none of the adapted layers "
+                                                      "(only the experts), the adapters run whole"),
+    (r"PEFT cannot wrap|PEFT's LoRA model fails", "LoRA: PEFT itself refuses or fails on the family's linears"),
+    (r"under TP=2 \+ sequence parallel", "not exact at TP 2 + SP on world 2, so not run on world 4"),
+]
+
+
+def refusal_kind(text: str, kinds: list[tuple[str, str]] = REFUSAL_KINDS) -> str:
+    for pattern, meaning in kinds:
         if re.search(pattern, text):
             return meaning
     return "other: " + re.sub(r"\s+", " ", text)[:90]
 
 
-def summary_section(title: str, rows: dict[str, dict[str, str]], columns: dict[str, str]) -> list[str]:
+def summary_section(title: str, rows: dict[str, dict[str, str]], columns: dict[str, str],
+                    list_not_run: bool = False) -> list[str]:
     """Totals per column, the families exact in every column that ran, and each kind of refusal
-    with the families (and columns) it hit."""
+    (and, with `list_not_run`, of "not run") with the families (and columns) it hit."""
     counts: dict[str, collections.Counter] = {mode: collections.Counter() for mode in columns}
     everywhere, skipped, odd = [], [], []
     kinds: dict[str, dict[str, list[str]]] = {}
+    not_run: dict[str, dict[str, list[str]]] = {}
     for family, row in rows.items():
         statuses = {mode: verdict(row.get(mode, NOT_RUN))[0] for mode in columns}
         if all(s == "skipped" for s in statuses.values()):
@@ -434,6 +481,8 @@ def summary_section(title: str, rows: dict[str, dict[str, str]], columns: dict[s
             counts[mode][status] += 1
             if status == "refused":
                 kinds.setdefault(refusal_kind(row[mode]), {}).setdefault(family, []).append(columns[mode])
+            elif status == "not run" and list_not_run and mode != "peer":
+                not_run.setdefault(refusal_kind(row[mode], NOT_RUN_KINDS), {}).setdefault(family, []).append(columns[mode])
             elif status in ("crash", "mismatch", "unproven") and mode != "peer":
                 odd.append(f"{family} ({columns[mode]}: {status})")
         if all(s in ("exact", "not run") for m, s in statuses.items() if m != "peer"):
@@ -455,6 +504,11 @@ def summary_section(title: str, rows: dict[str, dict[str, str]], columns: dict[s
     for meaning, by_family in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         listed = "; ".join(f"{f}: {', '.join(cols)}" if len(cols) < len(columns) - 1 else f"{f}: most" for f, cols in by_family.items())
         lines.append(f"- **{meaning}** ({len(by_family)}): {listed}")
+    if not_run:
+        lines += ["", "Not run (the column does not apply), by reason (family: columns):", ""]
+        for meaning, by_family in sorted(not_run.items(), key=lambda kv: -len(kv[1])):
+            listed = "; ".join(f"{f}: {', '.join(cols)}" for f, cols in by_family.items())
+            lines.append(f"- **{meaning}** ({len(by_family)}): {listed}")
     if skipped:
         lines += ["", f"Not built at the tiny shape ({len(skipped)}; a limit of the generic tiny config): {', '.join(skipped)}."]
     return lines + [""]
@@ -481,7 +535,15 @@ def render_summary(rows: dict[str, dict[str, str]], vision_rows: dict[str, dict[
         "every reason is [evidence/model-coverage.md](../evidence/model-coverage.md); "
         "`.venv/bin/python scripts/model_coverage.py` reruns it (`--render-only` rewrites both pages).",
         "",
-        *summary_section("Language models", text_rows, {m: SHORT[m] for m in COLUMNS}),
+        "Two columns are about fine-tuning data and adapters. *packed*: rows holding several documents back to "
+        "back, position ids restarting at each, no attention mask (transformers' `DataCollatorWithFlattening`, "
+        "TRL's padding-free packing), trained with `smp.step` under TP 2 + sequence parallel (FSDP 2 where the "
+        "family is not exact at TP 2 + SP) against one process, whose own packed run must first equal the "
+        "documents run one by one: a family whose transformers model mixes the documents is *not run*, never "
+        "exact. *LoRA x TP 2*: PEFT LoRA on every linear layer but the head, under TP 2, against the same PEFT "
+        "model in one process.",
+        "",
+        *summary_section("Language models", text_rows, {m: SHORT[m] for m in COLUMNS}, list_not_run=True),
         *summary_section("Vision, multimodal and speech", vision_ordered,
                          {m: vision_short(m) for m in vision_columns()}),
         "The peer column (transformers' own TP 2) is there for comparison: its crashes and mismatches are "

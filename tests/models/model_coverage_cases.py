@@ -4,12 +4,14 @@ BERT masked LM, T5, GPT-2) under FSDP, activation checkpointing, delayed initial
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
 import tempfile
 import traceback
 import warnings
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,11 @@ MODES = {
     "peer": dict(),
     # pipeline 2 stages, 1F1B, 4 micro-batches (world 2): tests/models/model_coverage_pp_cases.py
     "pp2": dict(config=pp_cases.PP2),
+    # packed sequences through smp.step, TP 2 + SP (the script falls back to FSDP 2 for a family
+    # not exact at TP 2 + SP): `packed` below
+    "packed": dict(layout="tp2-sp"),
+    # PEFT LoRA on every linear but the head, TP 2 with the model's own plan: `lora_tp2` below
+    "lora-tp2": dict(config=TP2),
 }
 WORLD = {"tp2-fsdp2-sp": 4, "hybrid": 4}  # the world size of a mode, when not 2
 
@@ -354,8 +361,236 @@ def peer_tp2(family: str, corrupt_shard: bool = False) -> dict:
     return cell
 
 
+# --- packed sequences ("packed") ------------------------------------------------------------
+
+# Where a packed batch runs: TP 2 + sequence parallel cuts each row between the layers, across
+# the documents' boundaries (the harder case), for the families exact there; FSDP 2 splits the
+# rows over two data ranks, whose target counts the loss must add up. Both at world 2.
+PACKED_LAYOUTS = {"tp2-sp": {**TP2, "tensor_parallel": {"sequence_parallel": True}}, "fsdp": {}}
+PACKED_LAYOUT_NAMES = {"tp2-sp": "TP 2 + SP", "fsdp": "FSDP 2"}
+
+
+def _not_causal(model: torch.nn.Module) -> str:
+    """Why packing does not apply to `model` ('' when it does): packed rows are a causal LM's
+    (a masked LM attends both ways, T5 takes no position ids)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return ""
+    return f"n/a: {type(model).__name__} is not a causal LM (packed rows are a causal LM's training data)"
+
+
+def _packed_vs_documents(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                         use_cache: bool = False) -> tuple[float, float, float]:
+    """One process, no smp: the packed batch's loss (its gradients left in `model`: the reference
+    the smp run is held to) and its loss and gradient gaps to the documents run one by one, each
+    document's summed token losses over the batch's target count. A gap means transformers'
+    model mixes tokens across the documents: its packed run is no reference for per-document
+    training.
+    `use_cache` (negative control): the packed run builds a cache, with which transformers
+    ignores the documents in position_ids."""
+    from smp.context_parallel.sharding import shift_labels
+    from tests.training.packed_cases import documents_of, hf_loss
+
+    targets = int((shift_labels(batch["labels"]) != -100).sum())
+    documents_loss = 0.0
+    for document in documents_of(batch):
+        loss = loss_of_document(model, document) * (len(document) - 1) / targets
+        loss.backward()
+        documents_loss += float(loss.detach())
+    documents_grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    if use_cache:
+        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     use_cache=True).loss
+    else:
+        loss = hf_loss(model, batch)
+    loss.backward()
+    grad_gap = 0.0  # a parameter no loss reached (None) counts as 0, as in _grad_diff
+    for n, p in model.named_parameters():
+        packed_grad = torch.zeros(p.shape) if p.grad is None else p.grad
+        documents_grad = torch.zeros(p.shape) if documents_grads[n] is None else documents_grads[n]
+        grad_gap = max(grad_gap, float((packed_grad - documents_grad).abs().max()) if p.numel() else 0.0)
+    return float(loss.detach()), abs(float(loss.detach()) - documents_loss), grad_gap
+
+
+def loss_of_document(model: torch.nn.Module, document: torch.Tensor) -> torch.Tensor:
+    """One document alone in its row (positions 0, 1, ... by default), its own tokens the labels."""
+    return model(input_ids=document[None], labels=document[None], use_cache=False).loss
+
+
+def packed(family: str, layout: str = "tp2-sp", global_positions: bool = False,
+           cache_in_reference: bool = False) -> dict:
+    """One "packed" cell: `family` on a packed batch (tests/training/packed_cases.py: four rows
+    of three documents, positions restarting at each, each document's first token not a target,
+    no attention mask) through smp.step under PACKED_LAYOUTS[layout] vs one process on the same
+    batch: loss and every gradient within TOL. First the one-process run is held to the
+    documents run one by one; a family whose transformers model attends across the documents
+    is "not run" and says so (its packed run is no reference). Negative controls:
+    `global_positions`, the smp run's positions count 0, 1, ... over the whole row (a mismatch);
+    `cache_in_reference`, the one-process run builds a cache and attends across the documents
+    (not packing-aware, never exact)."""
+    from tests.training.packed_cases import SEQ as PACKED_SEQ, packed_batch
+
+    config = PACKED_LAYOUTS[layout]
+    notes = []
+    try:
+        with smp.session(config):
+            torch.manual_seed(smp.state.config.random_seed)
+            reference = build_family(family)
+            not_causal = _not_causal(reference)
+            if not_causal:
+                return {"status": "not run", "detail": not_causal}
+            if getattr(reference.config, "output_router_logits", False):
+                # the load-balancing loss is a statistic of the whole batch, not a sum over documents
+                reference.config.output_router_logits = False
+                notes.append("load-balancing loss off")
+            reference.train()
+            if training_forward_is_random(copy.deepcopy(reference)):
+                reference.eval()
+                notes.append("eval mode: its training forward draws random numbers (sampled routing)")
+            model = copy.deepcopy(reference)
+            batch = packed_batch()
+            try:
+                ref_loss, doc_loss_gap, doc_grad_gap = _packed_vs_documents(reference, batch,
+                                                                            use_cache=cache_in_reference)
+            except Exception as e:  # noqa: BLE001 - transformers' model, no smp yet
+                why = f"one process cannot run the packed rows: {type(e).__name__}: {e}"
+                return {"status": "not run", "detail": why.splitlines()[0][:300]}
+            if doc_loss_gap >= TOL or doc_grad_gap >= TOL:
+                return {"status": "not run", "detail": (
+                    f"not packing-aware in transformers: one process on the packed rows differs from the documents "
+                    f"run one by one (loss {doc_loss_gap:.1e}, gradients {doc_grad_gap:.1e}): its forward mixes "
+                    f"tokens across them")}
+            model = smp.transform(model)
+            model.train(reference.training)
+            rows = {name: local_rows(t) for name, t in batch.items()}
+            if global_positions:
+                rows["position_ids"] = torch.arange(PACKED_SEQ).expand_as(rows["input_ids"])
+            loss = smp.step(model, rows)
+            report = {"loss_diff": abs(float(loss) - ref_loss), "grad_diff": _grad_diff(model, reference),
+                      "documents_loss_gap": doc_loss_gap, "documents_grad_gap": doc_grad_gap, **_what_acted(model)}
+    except smp.Error as e:
+        return {"status": "refused", "detail": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with its traceback
+        return {"status": "crash", "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+    exact = report["loss_diff"] < TOL and report["grad_diff"] < TOL
+    unproven = _unproven(config, report)
+    if exact and unproven:
+        return {"status": "unproven", "detail": unproven}
+    cell = {"status": "exact" if exact else "mismatch", "detail": report}
+    if layout != "tp2-sp":
+        notes.insert(0, f"under {PACKED_LAYOUT_NAMES[layout]}")
+    if notes:
+        cell["note"] = "; ".join(notes)
+    return cell
+
+
+# --- LoRA under tensor parallel ("lora-tp2") ------------------------------------------------
+
+def lora_targets(model: torch.nn.Module) -> str:
+    """PEFT's target_modules for `model`: every plain linear layer (GPT-2's Conv1D too) but the
+    output head, by full name: the attention and MLP projections (and a router that is a plain
+    linear layer). Not PEFT's "all-linear", which also wraps a mixture-of-experts' 3-D expert
+    weights (ParamWrapper), refused by smp under TP, which would hide how the family's
+    projections fare; nor subclasses of nn.Linear with a forward of their own (Llama 4's router
+    returns a tuple, DeepSeek-V4's grouped output projection reshapes): PEFT's LoRA layer
+    assumes nn.Linear's forward and fails on them in one process already."""
+    import re
+
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    names = [n for n, m in model.named_modules() if type(m) in (torch.nn.Linear, Conv1D) and m is not head]
+    return "|".join(re.escape(n) for n in names)
+
+
+@contextlib.contextmanager
+def _targets_as_named() -> Iterator[None]:
+    """PEFT (0.21) rewrites the targets of a mixture-of-experts family whose layout changed in
+    transformers v5 as if they named v4's per-expert linears: every `*.gate_proj` / `up_proj` /
+    `down_proj` becomes the experts' 3-D parameters (the dense MLPs and shared experts then get
+    no adapter), and a linear router becomes a parameter target. Our targets name v5's own
+    modules, so that rewrite stays off while PEFT wraps them."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    rewrite = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda peft_config, model, conversions: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = rewrite
+
+
+def peft_model(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with LoRA (PEFT) on lora_targets, rank 4. Adapters start random
+    (`init_lora_weights=False`): PEFT's B = 0 would leave every A's gradient 0 and hide a wrong
+    reduction of A's output."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(model), lora_dropout=0.0,
+                        init_lora_weights=False)
+    with _targets_as_named():
+        return get_peft_model(model, config)
+
+
+def lora_tp2(config: dict, family: str, corrupt: str | None = None) -> dict:
+    """One "lora-tp2" cell: `family` with LoRA (peft_model) under `config` vs the same PeftModel
+    in one process: loss and every gradient (adapters; the frozen base has none on either side)
+    of one step within TOL, with at least one adapter split over the "tp" axis ("not run" when
+    the plan splits none of the adapted layers). `corrupt`:
+    tests/tensor_parallel/lora_tp_cases.py's negative controls ("unreduced": a row-wise
+    layer's lora_A output left as this rank's partial sum)."""
+    from tests.tensor_parallel.lora_tp_cases import _corrupted
+
+    try:
+        with smp.session(config):
+            torch.manual_seed(smp.state.config.random_seed)
+            base = build_family(family)
+            eval_mode = training_forward_is_random(copy.deepcopy(base))
+            try:
+                reference = peft_model(base)
+            except Exception as e:  # noqa: BLE001 - PEFT's own limit, before smp
+                return {"status": "not run",
+                        "detail": f"PEFT cannot wrap it: {type(e).__name__}: {e}".splitlines()[0][:300]}
+            reference.train(not eval_mode)
+            model = copy.deepcopy(reference)
+            batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
+            try:
+                ref_loss = loss_of(reference, batch)
+                ref_loss.backward()
+            except Exception as e:  # noqa: BLE001 - PEFT's model in one process, before smp
+                why = f"PEFT's LoRA model fails in one process: {type(e).__name__}: {e}"
+                return {"status": "not run", "detail": why.splitlines()[0][:300]}
+            with _corrupted(corrupt):
+                model = smp.transform(model)
+            model.train(reference.training)
+            loss = loss_of(model, local_rows(batch))
+            loss.backward()
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            report = {"loss_diff": abs(world_mean(loss) - float(ref_loss.detach())),
+                      "grad_diff": _grad_diff(model, reference), "adapters": len(trainable),
+                      "adapters_split": sum(1 for p in trainable if isinstance(p, DTensor)
+                                            and "tp" in (p.device_mesh.mesh_dim_names or ()))}
+    except smp.Error as e:
+        return {"status": "refused", "detail": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with its traceback
+        return {"status": "crash", "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+    exact = report["loss_diff"] < TOL and report["grad_diff"] < TOL
+    if exact and not report["adapters_split"]:
+        # a plan that splits only the experts (GraniteMoE, PhiMoE, DeepSeek-V4): the adapters run
+        # whole beside whole layers, which is no case of LoRA under TP
+        return {"status": "not run", "detail": (
+            "n/a: the family's TP plan splits none of the linear layers LoRA adapts, so every "
+            "adapter ran whole (within 1e-5 of one process, which proves nothing about LoRA under TP)")}
+    cell = {"status": "exact" if exact else "mismatch", "detail": report}
+    if eval_mode:
+        cell["note"] = "eval mode: its training forward draws random numbers (sampled routing)"
+    return cell
+
+
 # mode -> its case function, where it is not `classify`
-CASE_FUNCTIONS = {"peer": peer_tp2, "pp2": pp_cases.classify}
+CASE_FUNCTIONS = {"peer": peer_tp2, "pp2": pp_cases.classify, "packed": packed, "lora-tp2": lora_tp2}
 
 
 # --- activation checkpointing: nested configs ----------------------------------------------
@@ -514,3 +749,4 @@ def load_hf_like_from_pretrained(config: dict, kind: str, directory: str) -> dic
         diff = max(float((full_tensor(p.detach()) - ref[n].detach()).abs().max()) for n, p in loaded)
         return {"error": "", "param_diff": diff, "warnings": smp_warnings,
                 "files": sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))}
+

@@ -4,7 +4,12 @@ have none), at a tiny shape, under FSDP full shard, delayed initialisation, TP=2
 model's own plan, TP=2 + sequence parallel, and full checkpointing + activation offloading, at
 world 2, and FSDP hybrid sharding (2 replicas x 2 shards) and TP=2 x FSDP 2 + sequence
 parallel at world 4. Beside them, transformers' own TP=2 (the peer): wherever it is exact,
-smp's TP=2 must be exact too.
+smp's TP=2 must be exact too. Two columns for what fine-tuning runs bring: packed sequences
+through smp.step (TP=2 + SP, FSDP 2 for a family not exact there), held to one process whose
+own packed run is first held to the documents run one by one; and PEFT LoRA on every linear
+but the head under TP=2. Their negative controls: positions left global (a mismatch), a
+reference that attends across the documents (not packing-aware, never exact), a row-wise
+adapter's output left unreduced (a mismatch).
 
 Each family must be exact against one process or refused by smp with a reason; a crash, a
 silent mismatch, or a mode that did nothing (TP split no parameter, nothing offloaded) fails.
@@ -38,6 +43,8 @@ FAST = {
     "tp2-fsdp2-sp": ["llama"],
     "hybrid": ["llama"],
     "peer": ["qwen3"],  # per-head q/k norms: `replicated_with_grad_allreduce` in both TPs
+    "packed": ["llama"],
+    "lora-tp2": ["llama"],
 }
 
 
@@ -75,6 +82,37 @@ def test_peer_comparison_catches_a_corrupt_shard(ranks):
     for result in ranks(2).run(cases.peer_tp2, family="qwen3", corrupt_shard=True, timeout=240):
         assert result["status"] == "mismatch", result
         assert result["detail"]["grad_diff"] > cases.TOL or result["detail"]["loss_diff"] > cases.TOL, result
+
+
+def test_packed_under_fsdp_is_exact(ranks):
+    """The packed column's other layout (a family not exact at TP 2 + SP runs under FSDP 2): exact
+    too, and the cell names the layout."""
+    for result in ranks(2).run(cases.packed, family="llama", layout="fsdp", timeout=240):
+        assert result["status"] == "exact" and result["note"] == "under FSDP 2", result
+
+
+def test_packed_positions_left_global_are_caught(ranks):
+    """Negative control for the packed column: the smp run's positions count over the whole row
+    (not restarting at each document) must read as a mismatch, not exact."""
+    for result in ranks(2).run(cases.packed, family="llama", global_positions=True, timeout=240):
+        assert result["status"] == "mismatch" and result["detail"]["grad_diff"] > 1e-3, result
+
+
+def test_packed_reference_attending_across_documents_is_not_exact(ranks):
+    """Negative control for the packed column's reference: a one-process run that attends across
+    the documents (built with a cache, transformers then ignores them in position_ids) differs
+    from the documents run one by one, so the cell is "not packing-aware", never exact."""
+    for result in ranks(2).run(cases.packed, family="llama", cache_in_reference=True, timeout=240):
+        assert result["status"] == "not run" and "not packing-aware in transformers" in result["detail"], result
+
+
+def test_lora_adapter_output_not_reduced_is_caught(ranks):
+    """Negative control for the LoRA x TP 2 column (tests/tensor_parallel/lora_tp_cases.py's): a
+    row-wise layer's lora_A output left as each rank's partial sum must read as a mismatch."""
+    for result in ranks(2).run(cases.lora_tp2, family="llama", corrupt="unreduced", timeout=240,
+                               **cases.MODES["lora-tp2"]):
+        assert result["status"] == "mismatch" and result["detail"]["adapters_split"] > 0, result
+        assert max(result["detail"]["loss_diff"], result["detail"]["grad_diff"]) > 1e-3, result
 
 
 def test_registry_drives_the_matrix():
