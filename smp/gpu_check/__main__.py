@@ -28,6 +28,8 @@ STEPS = {
     "step_time": ("smp.gpu_check.step_time", True),
     "activation_offloading": ("smp.gpu_check.offloading", True),
     "host_time": ("smp.gpu_check.host_time", True),
+    "fp8_training": ("smp.gpu_check.fp8_training", True),
+    "cuda_graphs": ("smp.gpu_check.cuda_graphs", False),  # without CUDA: the refusal and compile vs eager
 }
 TITLES = {
     "device_checks": "World-1 device checks",
@@ -35,6 +37,8 @@ TITLES = {
     "step_time": "Step time and MFU vs plain PyTorch",
     "activation_offloading": "Activation offloading on CUDA",
     "host_time": "Host time per phase and planned vs measured memory",
+    "fp8_training": "FP8 training (torchao float8) vs bf16",
+    "cuda_graphs": "CUDA graphs of the compiled blocks vs compile and eager",
 }
 SIZES = ("tiny", "1b")
 

@@ -13,7 +13,7 @@ from smp.gpu_check.offloading import copy_compute_overlap
 from tests import REPO_ROOT
 
 ROOT = REPO_ROOT
-GPU_ONLY = ("triton_kernels", "step_time", "activation_offloading", "host_time")
+GPU_ONLY = ("triton_kernels", "step_time", "activation_offloading", "host_time", "fp8_training")
 
 
 def _run(args: list[str], code: str | None = None) -> subprocess.CompletedProcess:
@@ -31,7 +31,7 @@ def test_cpu_run_passes_and_skips_gpu_steps(tmp_path):
     proc = _run(["--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = _steps(tmp_path)
-    assert list(steps) == ["device_checks", *GPU_ONLY]
+    assert list(steps) == ["device_checks", *GPU_ONLY, "cuda_graphs"]  # cuda_graphs: its CPU part runs too
     for name in GPU_ONLY:
         assert steps[name]["line"] == "skipped: no CUDA device"
     device = steps["device_checks"]
@@ -44,6 +44,19 @@ def test_cpu_run_passes_and_skips_gpu_steps(tmp_path):
     report = json.loads((tmp_path / "gpu_check_report.json").read_text())
     assert report["environment"]["torch"] and report["environment"]["triton"]
     assert "skipped: no CUDA device" in (tmp_path / "gpu_check_report.md").read_text()
+
+
+def test_cuda_graphs_step_on_cpu_checks_the_refusal_and_compile(tmp_path):
+    """Without CUDA the step runs what it can: smp.init refusing the key, compile (aot_eager)
+    against eager; the CUDA-graph figures say skipped."""
+    proc = _run(["--out", str(tmp_path), "--only", "cuda_graphs"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    step = _steps(tmp_path)["cuda_graphs"]
+    assert step["status"] == "pass", step
+    by_status = {f["name"]: f["status"] for f in step["figures"]}
+    assert by_status["refused at smp.init without CUDA, naming the key and the fix"] == "pass"
+    assert by_status["compile (aot_eager) vs eager, no CUDA graphs: step-1 grad diff"] == "pass"
+    assert by_status["cuda graphs vs compile: losses, grads, params"] == "skipped"
 
 
 # Negative control: smp.transform nudges one weight after transforming, so the transformed model
