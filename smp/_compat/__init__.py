@@ -60,6 +60,8 @@ from smp._compat.torch import (  # noqa: F401
     fake_store,
     fsdp_unit_params,
     fsdp_sharded_data,
+    fsdp_reshard_after_forward_onto,
+    root_mesh,
     set_element,
     checkpoint_wrapper_module,
     sharded_tensor_type,

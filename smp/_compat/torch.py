@@ -410,6 +410,39 @@ def fsdp_sharded_data(fsdp_param: Any) -> torch.Tensor:
     return fsdp_param._sharded_param_data
 
 
+def fsdp_reshard_after_forward_onto(module: Any, mesh: Any) -> None:
+    """Make FSDP unit `module` keep its parameters sharded over dim 1 of the 2-D `mesh` between
+    forward and backward, as `fully_shard(reshard_after_forward=<dim 1's size>)` does, but over
+    a mesh the caller built once for every unit. (fully_shard builds one per unit from
+    `mesh.mesh.view(-1, k)`, the rank's own slice only: over a 1-D submesh of a larger world the
+    ranks of different slices then create differently-ranked groups under the same names, and
+    hang; and one mesh per unit is one communicator per unit.) Sets the unit's and each
+    FSDPParam's `post_forward_mesh_info` (an `HSDPMeshInfo`, replicate dim 0, as fully_shard
+    builds) and recomputes `FSDPParam._init_sharded_post_forward_param_metadata` from the
+    parameter's original size (`_orig_size`), 2.9-2.14."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    info = HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    group = module._get_fsdp_state()._fsdp_param_group
+    group.post_forward_mesh_info = info
+    for fsdp_param in group.fsdp_params:
+        fsdp_param.post_forward_mesh_info = info
+        fsdp_param._init_sharded_post_forward_param_metadata(torch.empty(fsdp_param._orig_size, device="meta"))
+
+
+def root_mesh(mesh: Any) -> Any:
+    """The DeviceMesh `mesh` was sliced from (itself when it is one): `DeviceMesh._get_root_mesh`
+    (2.11-2.14), `_mesh_resources.get_root_mesh` (2.9). Its `.mesh` holds every rank."""
+    if hasattr(mesh, "_get_root_mesh"):
+        return mesh._get_root_mesh()
+    import torch.distributed.device_mesh as device_mesh
+
+    resources = getattr(device_mesh, "_mesh_resources", None)
+    if resources is None or not hasattr(resources, "get_root_mesh"):
+        raise unsupported("finding the root of a sliced DeviceMesh")
+    return resources.get_root_mesh(mesh)
+
+
 # ----------------------------------------------------------------------------------------------
 # torch.distributed.checkpoint
 # ----------------------------------------------------------------------------------------------

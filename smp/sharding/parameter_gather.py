@@ -7,9 +7,11 @@
     hierarchical  false   -> as configured: with reshard_after_forward, backward gathers again
                              over the whole shard group
                   true/k  -> hpZ: after forward each block keeps its parameters sharded over
-                             the k ranks of its node (FSDP2's reshard_after_forward=k), and the
+                             the k ranks of its node (FSDP2's reshard_after_forward=k, over one
+                             node mesh built here for every block: `node_mesh`), and the
                              backward gather runs inside that group, exact (the values forward
                              already dequantised); true takes k from $LOCAL_WORLD_SIZE (torchrun).
+                             Under HSDP the node is inside one replica's shard group.
 
 Only the communicated copy is compressed: the sharded parameters the optimizer updates are not.
 """
@@ -20,10 +22,12 @@ import os
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from smp._compat import fsdp_sharded_data, fsdp_unit_params
+from smp._compat import fsdp_reshard_after_forward_onto, fsdp_sharded_data, fsdp_unit_params, root_mesh
 from smp.errors import ConfigError
+from smp.mesh import MESH_VIEWS
 
 GATHERABLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -54,8 +58,11 @@ def node_ranks(hierarchical: bool | int, shard_ranks: int) -> int | None:
 
 
 def gather_reshard_after_forward(reshard: bool | int, hierarchical: bool | int, shard_ranks: int) -> bool | int:
-    """The blocks' `reshard_after_forward` with the hierarchical gather: the in-node group size
-    (FSDP2 keeps the post-forward shards over it and gathers them there in backward)."""
+    """The blocks' `reshard_after_forward` for `fully_shard` with the hierarchical gather checked:
+    True (reshard over the whole shard group), narrowed to the node afterwards by
+    `install_parameter_gather`. Not the in-node size k: fully_shard would build each block's
+    node groups from its own rank's slice of the mesh, which hangs where the shard group is a
+    1-D slice of a larger world (replicas synced by smp's hook), see `node_mesh`."""
     k = node_ranks(hierarchical, shard_ranks)
     if k is None:
         return reshard
@@ -65,7 +72,24 @@ def gather_reshard_after_forward(reshard: bool | int, hierarchical: bool | int, 
             "but reshard_after_forward: false keeps them whole (no backward gather to keep in the node); "
             "drop one of them"
         )
-    return k
+    return True
+
+
+# The blocks' FSDP shard axis (smp/mesh.py's fsdp_mesh): the only units hpZ narrows. Expert units
+# shard over dp_shard_mod_ep, whose ranks are strided by ep: k of them in a row are not a node.
+BLOCK_SHARD_AXIS = "dp_shard_cp"
+
+
+def node_mesh(fsdp_mesh: DeviceMesh, k: int) -> DeviceMesh:
+    """One 2-D mesh, the same on every rank: every FSDP shard group of the world (each replica's,
+    each tp / pp coordinate's) cut into rows of k consecutive ranks, one row per node. Dim 1 is
+    the group a block's backward gather stays in; dim 0 (unused) joins the rows."""
+    root = root_mesh(fsdp_mesh)
+    names = root.mesh_dim_names
+    axis = [names.index(d) for d in MESH_VIEWS.get(BLOCK_SHARD_AXIS, (BLOCK_SHARD_AXIS,))]
+    rest = [i for i in range(len(names)) if i not in axis]
+    rows = root.mesh.permute(*rest, *axis).reshape(-1, k)
+    return DeviceMesh(fsdp_mesh.device_type, rows)
 
 
 def install_parameter_gather(model: nn.Module, algorithm: str, *, block_size: int, hierarchical: bool | int,
@@ -99,7 +123,25 @@ def install_parameter_gather(model: nn.Module, algorithm: str, *, block_size: in
         n = params[0].mesh_info.shard_mesh_size
         if n > 1:
             module.set_custom_all_gather(sc.ParameterAllGather(kind, block_size, compress_ranks=n))
+    if hierarchical is not False:
+        _narrow_to_node(units, hierarchical)
     return len(units)
+
+
+def _narrow_to_node(units: list, hierarchical: bool | int) -> None:
+    """hpZ: the blocks that reshard after forward keep their shards over the node (one mesh for
+    every block, `node_mesh`); their backward gather then runs there, exact."""
+    def on_block_axis(info) -> bool:
+        return (info.mesh.mesh_dim_names or ())[info.shard_mesh_dim:][:1] == (BLOCK_SHARD_AXIS,)
+
+    blocks = [(m, params) for m, params in units
+              if params[0].post_forward_mesh_info is not None and on_block_axis(params[0].mesh_info)]
+    if not blocks:
+        return
+    info = blocks[0][1][0].mesh_info
+    mesh = node_mesh(info.mesh, node_ranks(hierarchical, info.shard_mesh_size))
+    for module, _ in blocks:
+        fsdp_reshard_after_forward_onto(module, mesh)
 
 
 def parameter_gather_bytes(reset: bool = False) -> dict[str, int]:

@@ -26,18 +26,20 @@ def shard(cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
-def gather_case(kind: str, dtype: torch.dtype, block: int, cols: int, impl: str) -> dict:
+def gather_case(kind: str, dtype: torch.dtype, block: int, cols: int, impl: str, group_size: int | None = None) -> dict:
     """ParameterAllGather vs the exact all-gather of the same shards: every value within its
-    bound, bytes = formula, every rank holding the same result."""
-    n, rank = dist.get_world_size(), dist.get_rank()
-    mine = shard(cols, dtype, seed=4000 + rank)
+    bound, bytes = formula, every rank holding the same result. `group_size`: gather inside
+    consecutive groups of that many ranks (one HSDP replica's shard group), not the world."""
+    group = dist.new_subgroups(group_size)[0] if group_size else None
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = shard(cols, dtype, seed=4000 + dist.get_rank())
     exact = torch.empty(n * cols, dtype=dtype)
-    dist.all_gather_into_tensor(exact, mine)
+    dist.all_gather_into_tensor(exact, mine, group=group)
     out = torch.empty(n * cols, dtype=dtype)
     out[rank * cols : (rank + 1) * cols].copy_(mine)  # FSDP's input is a view of the output's own row
     counters.reset()
     comm = sc.ParameterAllGather(kind, block, impl=impl)
-    assert comm(output_tensor=out, input_tensor=out[rank * cols : (rank + 1) * cols], group=None) is None
+    assert comm(output_tensor=out, input_tensor=out[rank * cols : (rank + 1) * cols], group=group) is None
     sent = counters.bytes_sent()
     x = exact.float().view(n, cols)
     _, scale = Q.quantize_torch(x, block, kind)
@@ -134,7 +136,18 @@ def train(config: dict, kind: str = "llama", steps: int = 2, swap: str | None = 
             opt.step()
             opt.zero_grad()
         planned = comm_bytes_per_step(model, cfg, smp.state.dims)["all_gather"]
-        return {"losses": losses, "grads": grads, "bytes": sent, "planned_all_gather": planned}
+        return {"losses": losses, "grads": grads, "bytes": sent, "planned_all_gather": planned,
+                **_post_forward_groups(model)}
+
+
+def _post_forward_groups(model: torch.nn.Module) -> dict:
+    """The groups FSDP units keep their shards over between forward and backward where that is
+    narrower than their shard group (hpZ): every rank list, and how many meshes hold them."""
+    infos = [params[0].post_forward_mesh_info for m in model.modules()
+             if isinstance(m, FSDPModule) and (params := fsdp_unit_params(m))
+             and params[0].post_forward_mesh_info not in (None, params[0].mesh_info)]
+    return {"node_groups": sorted({tuple(dist.get_process_group_ranks(i.shard_process_group)) for i in infos}),
+            "node_meshes": len({id(i.mesh) for i in infos}), "narrowed_units": len(infos)}
 
 
 def refusal(config: dict, kind: str = "plain", param_dtype: torch.dtype | None = None) -> str:

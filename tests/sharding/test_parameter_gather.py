@@ -248,6 +248,89 @@ def test_conflicting_settings_refused(config, match):
 
 
 # ------------------------------------------------------------------------------------------
+# World 8: the hierarchical gather under HSDP (2 replicas x 4 shards, nodes of 2 ranks inside
+# each replica's shard group; replicas synced by FSDP or by smp's hook, whose FSDP mesh is a
+# 1-D slice of the world), and under full shard over 8 with nodes of 4
+
+
+HSDP_2X4 = {**BF16, "hybrid_shard_degree": 4}
+W8_LAYOUTS = {  # name -> (config, ranks per node)
+    "hsdp-2x4": (HSDP_2X4, 2),
+    "hsdp-2x4-replicas-by-hook": ({**HSDP_2X4, "gradient_sync": {"cross_replica": "int8"}}, 2),
+    "fsdp-8": (BF16, 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["default", "int8"])
+@pytest.mark.parametrize("layout", list(W8_LAYOUTS))
+def test_world8_hierarchical_equals_flat_bitwise(ranks, layout, algorithm):
+    """Backward gathers from the node's copies give bitwise the flat gather's losses and
+    gradients; the node groups are the ranks' nodes, one mesh for every block (fully_shard's
+    own `reshard_after_forward=k` builds one per block from the rank's slice of the mesh, and
+    hung at world 8 where that slice is not the world: replicas by hook); bytes = plan."""
+    config, k = W8_LAYOUTS[layout]
+    pool = ranks(8)
+    flat = pool.run(cases.train, config={**config, "parameter_gather": algorithm})
+    hier = pool.run(cases.train, config={**config, "parameter_gather": {"algorithm": algorithm, "hierarchical": k}})
+    assert all(_grads_equal(a, b) for a, b in zip(flat, hier))
+    for rank, (f, h) in enumerate(zip(flat, hier)):
+        node = rank // k * k
+        assert h["node_groups"] == [tuple(range(node, node + k))] and h["node_meshes"] == 1, h
+        assert h["narrowed_units"] > 1 and f["node_groups"] == []
+        assert h["bytes"]["total"] == h["planned_all_gather"] > 0 and h["bytes"]["param_gather.exact"] > 0, h
+        assert f["bytes"]["total"] == (f["planned_all_gather"] if algorithm == "int8" else 0)  # FSDP's own: not counted
+
+
+@pytest.mark.slow
+def test_world8_hsdp_hierarchical_int8_equals_torch_reference(ranks):
+    """HSDP 2 x 4, hierarchical 2, int8: bitwise the torch reference of the same codes; a
+    dropped scale (negative control) differs from it."""
+    pool = ranks(8)
+    config = {**HSDP_2X4, "parameter_gather": {"algorithm": "int8", "hierarchical": 2}}
+    ours = pool.run(cases.train, config=config)
+    reference = pool.run(cases.train, config=config, swap="reference")
+    assert all(_grads_equal(a, b) for a, b in zip(ours, reference))
+    dropped = pool.run(cases.train, config=config, swap="dropped_scale", impl="torch")
+    assert not _grads_equal(dropped[0], reference[0])
+
+
+@pytest.mark.slow
+def test_world8_gather_within_bound_inside_each_replica(ranks):
+    """The int8 gather over one HSDP replica's 4 shard ranks (two groups at once): every value
+    within its bound, bytes = formula for 4 ranks, one result per group."""
+    reports = ranks(8).run(cases.gather_case, kind="int8", dtype=torch.bfloat16, block=64, cols=1000, impl="torch",
+                           group_size=4)
+    for r in reports:
+        assert r["within_bound"] and r["max_err"] > 0, r["max_err_over_bound"]
+        assert r["bytes"] == r["expected_bytes"] == PG.gather_bytes(1000, 4, 64)
+    for group in (reports[:4], reports[4:]):
+        assert all(torch.equal(group[0]["result"], r["result"]) for r in group)
+    assert not torch.equal(reports[0]["result"], reports[4]["result"])  # each replica's own shards
+
+
+@pytest.mark.slow
+def test_world8_tp2_x_hsdp_2x2_int8_close_to_exact(ranks):
+    """TP 2 x HSDP (2 replicas x 2 shards), int8 gather (hierarchical is refused beside TP):
+    close to the exact gather, bytes = plan."""
+    pool = ranks(8)
+    config = {**BF16, "tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
+    exact = pool.run(cases.train, config=config)
+    ours = pool.run(cases.train, config={**config, "parameter_gather": "int8"})
+    diff = _grad_diff(ours[0], exact[0])
+    assert 0 < diff < 5e-2, diff
+    for r in ours:
+        assert r["bytes"]["total"] == r["planned_all_gather"] > 0, r
+
+
+@pytest.mark.slow
+def test_world8_hsdp_refuses_a_node_as_large_as_the_shard_group(ranks):
+    """HSDP 2 x 4 on nodes of 4: each replica's gathers already stay inside its node."""
+    config = {**HSDP_2X4, "parameter_gather": {"hierarchical": 4}}
+    assert "every gather already stays inside one node" in ranks(8).run(cases.refusal, config=config, kind="llama")[0]
+
+
+# ------------------------------------------------------------------------------------------
 # Training effect
 
 
