@@ -3,8 +3,8 @@
 Exactness, world 1, a tiny Llama in fp32, 3 AdamW steps, each run in its own `smp.session` with
 torch's compile caches and graph trees reset (`torch.compiler.reset`): CUDA graphs replay the
 compiled kernels, so their losses, gradients and parameters are bitwise those of the same
-compile without graphs (inductor; and torch's "cudagraphs" backend against aot_eager with full
-checkpointing); against eager, inductor's fusions change the order of sums: within 1e-4 after
+compile without graphs (inductor; and torch's "cudagraphs" backend against aot_eager, with full
+and with selective checkpointing, under bf16 autocast); against eager, inductor's fusions change the order of sums: within 1e-4 after
 the first step. A profiled step counts the graph launches (cudaGraphLaunch): some under CUDA
 graphs, none under compile alone, so the bitwise match is not two eager runs agreeing. Gradient
 accumulation over 2 micro-batches, graphs against compile alone, is reported, not judged.
@@ -39,17 +39,22 @@ BATCH, SEQ, VOCAB = 4, 32, 256
 VS_EAGER = 1e-4  # inductor vs eager, fp32, first step: fusions reorder sums
 RATIO_GOAL, WARMUP, ROUND = 1.02, 3, 2  # CUDA-graph trees: a warm-up call, a recording call, then replays
 GRAPHS = {"compile": {"backend": "inductor", "cuda_graphs": True}}
-RUNS = {  # name -> config (each run: a fresh session, fresh compile caches)
-    "eager": {},
-    "compiled (inductor)": {"compile": {"backend": "inductor"}},
-    "cuda graphs (inductor)": GRAPHS,
-    "aot_eager, checkpointing full": {"compile": {"backend": "aot_eager"}, "activation_checkpointing": "full"},
-    "cuda graphs (aot_eager), checkpointing full": {"compile": {"backend": "aot_eager", "cuda_graphs": True},
-                                                    "activation_checkpointing": "full"},
+_AOT = {"compile": {"backend": "aot_eager"}}
+_AOT_GRAPHS = {"compile": {"backend": "aot_eager", "cuda_graphs": True}}
+RUNS = {  # name -> (config, bf16 autocast); each run: a fresh session, fresh compile caches
+    "eager": ({}, False),
+    "compiled (inductor)": ({"compile": {"backend": "inductor"}}, False),
+    "cuda graphs (inductor)": (GRAPHS, False),
+    # torch's cudagraphs backend replays aot_eager's graphs: checkpointing and autocast, cheaply.
+    "aot_eager, checkpointing full, bf16 autocast": ({**_AOT, "activation_checkpointing": "full"}, True),
+    "cuda graphs (aot_eager), checkpointing full, bf16 autocast": (
+        {**_AOT_GRAPHS, "activation_checkpointing": "full"}, True),
+    "aot_eager, checkpointing selective, bf16 autocast": ({**_AOT, "activation_checkpointing": "selective"}, True),
+    "cuda graphs (aot_eager), checkpointing selective, bf16 autocast": (
+        {**_AOT_GRAPHS, "activation_checkpointing": "selective"}, True),
 }
-CPU_RUNS = ("eager", "aot_eager")  # without CUDA: the same comparison, no graphs
-BITWISE = (("cuda graphs (inductor)", "compiled (inductor)"),
-           ("cuda graphs (aot_eager), checkpointing full", "aot_eager, checkpointing full"))
+BITWISE = tuple((name, name.replace("cuda graphs (aot_eager)", "aot_eager").replace("cuda graphs", "compiled"))
+                for name in RUNS if name.startswith("cuda graphs"))
 
 
 @dataclass
@@ -74,9 +79,10 @@ def graph_launches(step_fn) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
 
 
-def train(config: dict, device: torch.device, backend: str, micro_batches: int = 1) -> Run:
-    """STEPS AdamW steps of a tiny fp32 Llama through smp.transform under `config`, each step's
-    gradient accumulated over `micro_batches` backward passes."""
+def train(config: dict, device: torch.device, backend: str, micro_batches: int = 1, autocast: bool = False) -> Run:
+    """STEPS AdamW steps of a tiny fp32 Llama through smp.transform under `config` (forward under
+    bf16 autocast when `autocast`), each step's gradient accumulated over `micro_batches` backward
+    passes."""
     torch.compiler.reset()  # fresh compile caches and CUDA-graph trees: runs do not share graphs
     with smp.session(config, backend=backend):
         torch.manual_seed(0)
@@ -87,7 +93,8 @@ def train(config: dict, device: torch.device, backend: str, micro_batches: int =
         def step(index: int) -> None:
             total = 0.0
             for part in _batch(index, device).chunk(micro_batches):
-                loss = loss_of(model, part) / micro_batches
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    loss = loss_of(model, part) / micro_batches
                 loss.backward()
                 total += float(loss.detach())
             losses.append(total)
@@ -118,12 +125,12 @@ def _bitwise(run: Run, base: Run) -> bool:
 def exactness(device: torch.device, backend: str) -> list[Figure]:
     if device.type != "cuda":
         runs = {name: train(config, device, backend) for name, config in (
-            ("eager", RUNS["eager"]), ("aot_eager", {"compile": {"backend": "aot_eager"}}))}
+            ("eager", {}), ("aot_eager", _AOT))}
         diff = _max_diff(runs["aot_eager"].grads[0], runs["eager"].grads[0])
         return [check("compile (aot_eager) vs eager, no CUDA graphs: step-1 grad diff", diff, diff <= VS_EAGER,
                       f"<= {VS_EAGER:g}", reason="bitwise" if _bitwise(runs["aot_eager"], runs["eager"]) else ""),
                 Figure("cuda graphs vs compile: losses, grads, params", None, status="skipped", reason="no CUDA device")]
-    runs = {name: train(config, device, backend) for name, config in RUNS.items()}
+    runs = {name: train(config, device, backend, autocast=autocast) for name, (config, autocast) in RUNS.items()}
     figures = []
     for graphs, base in BITWISE:
         run, ref = runs[graphs], runs[base]
@@ -146,7 +153,7 @@ def accumulation(device: torch.device, backend: str) -> Figure:
     """Gradient accumulation over 2 micro-batches, with graphs vs compile alone: reported, not
     judged (not yet proven: torch refuses reading a graph's gradient after a later replay)."""
     name = "cuda graphs (inductor) vs compiled (inductor), 2 micro-batches accumulated"
-    base = train(RUNS["compiled (inductor)"], device, backend, micro_batches=2)
+    base = train(RUNS["compiled (inductor)"][0], device, backend, micro_batches=2)
     try:
         run = train(GRAPHS, device, backend, micro_batches=2)
     except Exception as e:  # noqa: BLE001 - the finding is the error itself
