@@ -61,8 +61,10 @@ def _check(ranks, family: str, reason: str | None, mode: str) -> None:
     world = cases.WORLD.get(mode, 2)
     case = cases.CASE_FUNCTIONS.get(mode, cases.classify)  # pp2: tests/models/model_coverage_pp_cases.py
     for result in ranks(world).run(case, family=family, timeout=240, **cases.MODES[mode]):
-        assert result["status"] in ("exact", "refused"), f"{family} under {mode}: {result}"
-        if result["status"] == "refused":
+        # "not run": the column does not apply, for a reason outside smp (packed rows that
+        # transformers' own model mixes, a plan that splits no adapted layer, PEFT's own refusal)
+        assert result["status"] in ("exact", "refused", "not run"), f"{family} under {mode}: {result}"
+        if result["status"] != "exact":
             assert len(result["detail"]) > 20, result  # the error names its reason
 
 
