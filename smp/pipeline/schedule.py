@@ -294,7 +294,7 @@ class PipelinedModel(nn.Module):
         pp = dist.get_world_size(self.pp_group)
         num_stages = pp * len(self.stages)
         torch_stages = [
-            PipelineStage(stage, info.index, num_stages, self.device, group=self.pp_group)
+            _Stage(stage, info.index, num_stages, self.device, group=self.pp_group)
             for stage, info in zip(self.stages, self.stage_infos)
         ]
         cls = SCHEDULE_CLASSES[self.pipe.schedule]
@@ -308,6 +308,21 @@ class PipelinedModel(nn.Module):
 
     def _holds_last(self) -> bool:
         return any(info.last for info in self.stage_infos)
+
+
+class _Stage(PipelineStage):
+    """torch's PipelineStage, whose hand-off of input gradients to the rank's previous stage
+    does nothing when the schedule runs no backward. The V schedules (zbv_zero_bubble,
+    dualpipev) hold two adjacent stages on one rank and, in `eval()`, still run their backward
+    actions, which skip the backward but hand its (absent) gradients on: torch (2.13) asserts
+    there, so smp.evaluate failed under them."""
+
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return () if not self.has_backward else super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
 class _GradientsInPlace(torch.autograd.Function):

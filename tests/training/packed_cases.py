@@ -26,6 +26,7 @@ from smp.context_parallel import sharding, ulysses
 from smp.expert_parallel import is_expert_parallel
 from smp.pipeline import schedule
 from smp.testing.distributed import full_tensor, local_rows, world_mean
+from smp.testing.models import tiny_llama
 from tests.context_parallel.context_parallel_cases import VOCAB, UserBlock, UserModel, build
 
 cp_attention = importlib.import_module("smp.context_parallel.attention")  # the module, not the function
@@ -252,36 +253,41 @@ def _positions_not_sent(broken: bool) -> Iterator[None]:
         schedule.pipeline_batch = saved
 
 
-def _step_model(kind: str) -> nn.Module:
-    """"llama" (tests/context_parallel/context_parallel_cases.py), or "mixtral" as tests/expert_parallel/expert_parallel_cases.py
-    builds it, without the load-balancing loss (smp.step refuses it on several data ranks)."""
+def _step_model(kind: str, layers: int = 2) -> nn.Module:
+    """"llama" (tests/context_parallel/context_parallel_cases.py, with `layers` decoder layers), or
+    "mixtral" as tests/expert_parallel/expert_parallel_cases.py builds it, without the
+    load-balancing loss (smp.step refuses it on several data ranks)."""
     if kind == "mixtral":
         from tests.expert_parallel.expert_parallel_cases import build as build_moe
 
         model = build_moe("mixtral")
         model.config.output_router_logits = False
         return model
+    if kind == "llama" and layers != 2:
+        return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers)
     return _build(kind)
 
 
 def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = False, labels: bool = True,
                      broken: str | None = None, kind: str = "llama") -> dict:
     """smp.step (the one training step for every layout, pipeline included) on the packed batch
-    vs one process: loss and every gradient over `steps` SGD steps. `use_cache` None: the batch
-    does not say (the model's config then builds a cache in train mode). `labels` False: the
-    batch carries none (both sides then train on input_ids, a document's last token predicting
-    the next one's first). `broken` (negative controls): "positions_not_sent", a pipeline's
+    vs one process: loss and every gradient over `steps` SGD steps, and smp.evaluate's loss
+    after each. `use_cache` None: the batch does not say (the model's config then builds a cache
+    in train mode). `labels` False: the batch carries none (both sides then train on input_ids, a
+    document's last token predicting the next one's first). `broken` (negative controls): "positions_not_sent", a pipeline's
     stages never see the positions; "global_positions", the smp run's positions do not restart.
-    `kind`: "llama" or "mixtral" (_step_model)."""
+    `kind`: "llama" or "mixtral" (_step_model); a pipeline whose ranks hold several stages
+    (interleaved, looped and V schedules) gets a llama of one layer per stage."""
     with smp.session(config):
         torch.manual_seed(smp.state.config.random_seed)
-        reference = _step_model(kind)
+        stages = smp.state.pp_size * smp.state.config.pipeline.local_stages()
+        reference = _step_model(kind, layers=max(2, stages))
         model = copy.deepcopy(reference)
         batch = packed_batch()
         if not labels:
             batch["labels"] = batch["input_ids"]
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        ref_losses, ref_grads = [], []
+        ref_losses, ref_grads, ref_evals = [], [], []
         for _ in range(steps):
             loss = hf_loss(reference, batch)
             loss.backward()
@@ -289,6 +295,8 @@ def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = Fals
             ref_grads.append(_grads(reference))
             ref_opt.step()
             ref_opt.zero_grad()
+            with torch.no_grad():
+                ref_evals.append(float(hf_loss(reference, batch)))
         model = smp.transform(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         rows = {name: local_rows(t) for name, t in batch.items() if labels or name != "labels"}
@@ -296,7 +304,8 @@ def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = Fals
             rows["use_cache"] = use_cache
         if broken == "global_positions":
             rows["position_ids"] = torch.arange(SEQ).expand_as(rows["input_ids"])
-        report = {"loss_diff": 0.0, "grad_diff": 0.0, "losses": ref_losses, "all_grads": sorted(ref_grads[0]),
+        report = {"loss_diff": 0.0, "grad_diff": 0.0, "eval_diff": 0.0, "losses": ref_losses,
+                  "all_grads": sorted(ref_grads[0]),
                   "expert_parallel_modules": sum(is_expert_parallel(m) for m in model.modules())}
         with _positions_not_sent(broken == "positions_not_sent"):
             for step in range(steps):
@@ -308,6 +317,10 @@ def step_equivalence(config: dict, steps: int = 2, use_cache: bool | None = Fals
                 report["grads"] = sorted(grads)
                 opt.step()
                 opt.zero_grad()
+                evaluated = smp.evaluate(model, rows)  # the forward alone, after the update
+                report["eval_diff"] = max(report["eval_diff"], abs(float(evaluated) - ref_evals[step]))
+        # the torch schedule the pipeline ran (none without a pipeline)
+        report["schedules"] = sorted({type(s).__name__ for s in getattr(model, "_schedules", {}).values()})
         return report
 
 

@@ -1,15 +1,16 @@
 """Packed sequences (several documents per row, position ids restarting at each, no padding)
 under FSDP, TP + sequence parallel, context parallel (ring, all-gather, Ulysses), pipeline
-parallel (alone, x TP, x FSDP, x CP) and expert parallel (Mixtral, EP 2) vs one process running
-transformers' own model on the whole packed batch.
+parallel (every schedule at PP 2, x TP, x FSDP, x CP) and expert parallel (Mixtral, EP 2) vs one
+process running transformers' own model on the whole packed batch.
 
 The reference itself is checked first: the packed loss and gradients in one process equal the
 documents run one by one (measured: loss ~1e-7, gradients ~1e-8). Tolerances as
 tests/context_parallel/test_context_parallel.py: 1e-5 on loss and every gradient. Negative controls: positions
 that do not restart, attention that ignores the documents' boundaries, Ulysses heads put back in
 the wrong order, labels that let a document predict the next one's first token, pipeline stages
-not handed the positions (measured: loss 1.6e-2, gradients 7.2e-2; the exact runs: loss <= 4.8e-7,
-gradients <= 3.7e-8), positions not restarting under EP (gradients 9.8e-2; exact: 2.8e-8).
+not handed the positions (measured: loss 1.6e-2, gradients 7.2e-2 under 1F1B, 1.4e-2 / 7.1e-2
+under interleaved 1F1B and ZBV; the exact runs, every schedule and composition: loss <= 4.8e-7,
+gradients <= 4.1e-8), positions not restarting under EP (gradients 9.8e-2; exact: 2.8e-8).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import importlib
 
 import torch
 
+from smp.config import PIPELINE_SCHEDULES
 from smp.context_parallel.sharding import document_starts, shard_batch
+from smp.pipeline import SCHEDULE_CLASSES
 from tests.training import packed_cases
 
 cp_attention = importlib.import_module("smp.context_parallel.attention")  # the module, not the function
@@ -32,6 +35,7 @@ def _check(reports: list[dict]) -> None:
     for report in reports:
         assert report["loss_diff"] < TOL, report
         assert report["grad_diff"] < TOL, report
+        assert report.get("eval_diff", 0.0) < TOL, report  # smp.step's cases: smp.evaluate after each step
     assert reports[0]["losses"][1] < reports[0]["losses"][0]  # it trains
 
 
@@ -147,12 +151,30 @@ def test_packed_through_smp_step(ranks, config, use_cache):
 # --- Pipeline parallel: every stage is handed the packed positions ---------------------------
 
 PP2 = {"pipeline_parallel_degree": 2, "pipeline": {"microbatches": 2}}
+
+
+def _pp2(schedule: str, microbatches: int = 4, **more) -> dict:
+    """PP 2 under `schedule` at its default stages per rank (two but for gpipe: the case model
+    gets a layer per stage); 4 micro-batches of one row each, the fewest dualpipev takes."""
+    return {"pipeline_parallel_degree": 2, "pipeline": {"schedule": schedule, "microbatches": microbatches}, **more}
+
+
 PIPELINE_LAYOUTS = {
     "pp2": (2, PP2),
     "pp2-tp2": (4, {**PP2, "tensor_parallel_degree": 2}),
     "pp2-fsdp2": (4, PP2),
     "pp2-cp2": (4, {**PP2, **CP2}),
+    # every other schedule ("pp2" is 1f1b): several stages per rank, the V, the split backward
+    **{f"pp2-{schedule}": (2, _pp2(schedule)) for schedule in PIPELINE_SCHEDULES if schedule != "1f1b"},
+    # every axis > 1: a V with a split backward over stages FSDP shards; interleaved over TP
+    "pp2-fsdp2-zbv_zero_bubble": (4, _pp2("zbv_zero_bubble", microbatches=2)),
+    "pp2-tp2-interleaved_1f1b": (4, _pp2("interleaved_1f1b", microbatches=2, tensor_parallel_degree=2)),
 }
+
+
+def _layouts(*names: str) -> list:
+    """Layout names as parameters; those of world 4 marked slow (tests/conftest.py)."""
+    return [pytest.param(n, marks=pytest.mark.slow) if PIPELINE_LAYOUTS[n][0] > 2 else n for n in names]
 
 
 def _check_every_gradient(reports: list[dict]) -> None:
@@ -161,11 +183,13 @@ def _check_every_gradient(reports: list[dict]) -> None:
     assert seen == set(reports[0]["all_grads"]), sorted(set(reports[0]["all_grads"]) - seen)
 
 
-@pytest.mark.parametrize("layout", list(PIPELINE_LAYOUTS))
+@pytest.mark.parametrize("layout", _layouts(*PIPELINE_LAYOUTS))
 def test_packed_pipeline_through_smp_step(ranks, layout):
     world, config = PIPELINE_LAYOUTS[layout]
-    _check_every_gradient(ranks(world).run(packed_cases.step_equivalence, config=config, use_cache=None,
-                                           timeout=300))
+    reports = ranks(world).run(packed_cases.step_equivalence, config=config, use_cache=None, timeout=300)
+    _check_every_gradient(reports)
+    schedule = SCHEDULE_CLASSES[config["pipeline"].get("schedule", "1f1b")].__name__
+    assert all(r["schedules"] == [schedule] for r in reports), reports
 
 
 def test_packed_pipeline_without_labels(ranks):
@@ -174,7 +198,7 @@ def test_packed_pipeline_without_labels(ranks):
     _check_every_gradient(ranks(2).run(packed_cases.step_equivalence, config=PP2, use_cache=None, labels=False))
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp2-cp2"])
+@pytest.mark.parametrize("layout", _layouts("pp2", "pp2-cp2", "pp2-interleaved_1f1b", "pp2-zbv_zero_bubble"))
 def test_packed_pipeline_positions_not_sent_are_caught(ranks, layout):
     """Negative control: the stages are not handed the positions (each counts 0, 1, 2, ...)."""
     world, config = PIPELINE_LAYOUTS[layout]
