@@ -283,6 +283,16 @@ def _takes_loss_count(model: nn.Module) -> bool:
     return "num_items_in_batch" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether a transformers model's forward takes `use_cache`: by name, or through **kwargs
+    when its config has the switch (GraniteMoE's causal LM passes it on to its base model so)."""
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
+        return True
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return takes_kwargs and getattr(getattr(model, "config", None), "use_cache", None) is not None
+
+
 def _check_takes_loss_count(model: nn.Module, needs_count: bool, caller: str) -> None:
     if needs_count and is_hf_model(model) and not _takes_loss_count(model):
         raise UsageError(
@@ -297,7 +307,7 @@ def _call_model(model: nn.Module, inputs: Mapping[str, Any], caller: str) -> Any
     its forward takes it), any other model the inputs its forward names."""
     if not is_hf_model(model):
         return _call_plain(model, inputs, caller)
-    if "use_cache" not in inputs and "use_cache" in inspect.signature(model.forward).parameters:
+    if "use_cache" not in inputs and _takes_use_cache(model):
         # A step never reads a cache; transformers builds one when use_cache is on (its configs'
         # default), and then ignores the document boundaries of packed position_ids.
         inputs = {**inputs, "use_cache": False}

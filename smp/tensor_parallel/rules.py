@@ -79,16 +79,18 @@ def _covered(name: str, names: set[str]) -> bool:
 
 
 def _whole_in_regions(m: Matched) -> Iterator[tuple[str, nn.Module, str, str, nn.Module, list]]:
-    """(region name, region, sub-path, module name, module, its trainable parameters not split by
-    a parameter entry) for each module inside a split region that owns such parameters and that
+    """(region name, region, sub-path, module name, module, its parameters not split by a
+    parameter entry) for each module inside a split region that owns such parameters and that
     neither the plan nor an earlier rule styles (a `local_params` module is split only in its
-    named parameters: its submodules, such as per-head norms, still count)."""
+    named parameters: its submodules, such as per-head norms, still count). Frozen parameters
+    count too: a whole per-head parameter meets this rank's share of the heads in forward
+    whether or not it trains (Doge's per-KV-head `A` under LoRA, its base frozen)."""
     styled = {a.name for a in m.assignments if a.style != reg.LOCAL_PARAMS}
     for rname in sorted(m.regions):
         for sub, module in m.regions[rname].named_modules():
             name = _full(rname, sub)
             own = [(n, p) for n, p in module.named_parameters(recurse=False)
-                   if p.requires_grad and f"{name}.{n}" not in m.param_styles]
+                   if f"{name}.{n}" not in m.param_styles]
             if own and not _covered(name, styled):
                 yield rname, m.regions[rname], sub, name, module, own
 

@@ -117,24 +117,17 @@ def test_lora_adapter_output_not_reduced_is_caught(ranks):
         assert max(result["detail"]["loss_diff"], result["detail"]["grad_diff"]) > 1e-3, result
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "smp.step sets use_cache=False only when the model's forward names use_cache; GraniteMoE's takes it through "
-    "**kwargs, so its config's use_cache=True builds a cache in training and transformers then attends across "
-    "the packed documents (loss 1.1e-2 off one process). Fixed in smp/training.py's _call_model, this passes"))
 def test_packed_with_use_cache_only_in_kwargs(ranks):
     """GraniteMoE (its forward takes use_cache through **kwargs, not by name) on packed rows under
-    FSDP 2: exact once smp.step turns the cache off for it too."""
+    FSDP 2: exact, smp.step turning the cache off for it too (before: loss 1.1e-2 off)."""
     for result in ranks(2).run(cases.packed, family="granitemoe", layout="fsdp", timeout=240):
         assert result["status"] == "exact", result
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the per-head check of smp/tensor_parallel/rules.py (_whole_in_regions) reads trainable parameters only: "
-    "Doge's self_attn.A (one value per key-value head), frozen under LoRA, is left whole on split heads and the "
-    "forward crashes in attention; refused like the TP 2 column once frozen parameters are checked too"))
 def test_lora_frozen_per_head_parameter_is_refused(ranks):
     """Doge under LoRA x TP 2: its per-head parameter A is frozen (the base is), and still sized for
-    every head: refused with smp's reason, as at TP 2 without adapters, not a crash."""
+    every head: refused with smp's reason, as at TP 2 without adapters (before: a crash in
+    attention, the frozen parameter left unchecked)."""
     for result in ranks(2).run(cases.lora_tp2, family="doge", timeout=240, **cases.MODES["lora-tp2"]):
         assert result["status"] == "refused", result
 

@@ -298,3 +298,32 @@ def step_errors(config: dict, kind: str = "llama", router_loss: str | None = Non
             out["not_summed"] = error({})
             model._smp_load_balancing = summed
         return out
+
+
+def packed_step_vs_documents(family: str, use_cache: bool | None = None) -> dict:
+    """smp.step at world 1 on packed rows (positions restarting at each document, no mask) vs
+    the same model's documents run one by one: loss and gradients. GraniteMoE's causal LM takes
+    `use_cache` only through **kwargs, and with its config's default (on) transformers builds a
+    cache and attends across the documents. `use_cache` set: the batch carries it (the
+    negative control passes True)."""
+    from tests.models.model_coverage_cases import build_family
+    from tests.training.packed_cases import documents_of, packed_batch
+
+    torch.manual_seed(0)
+    reference = build_family(family)
+    model = copy.deepcopy(reference)
+    batch = packed_batch()
+    targets = int((sharding.shift_labels(batch["labels"]) != IGNORE).sum())
+    expected = 0.0
+    for doc in documents_of(batch):
+        loss = reference(input_ids=doc[None], labels=doc[None], use_cache=False).loss * (len(doc) - 1) / targets
+        loss.backward()
+        expected += float(loss.detach())
+    if use_cache is not None:
+        batch = {**batch, "use_cache": use_cache}
+    with smp.session({}):
+        model = smp.transform(model)
+        got = float(smp.step(model, batch))
+        grads = {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": abs(got - expected),
+            "grads": max(float((grads[n] - p.grad).abs().max()) for n, p in reference.named_parameters())}

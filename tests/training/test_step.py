@@ -156,3 +156,13 @@ def test_what_cannot_be_exact_is_refused_on_every_rank(ranks):
         # packed rows train under the pipeline (tests/training/test_packed_sequences.py), not with this batch's mask
         packed_with_mask = "packed rows (position_ids restart inside a row) and an attention_mask"
         assert packed_with_mask in errors["packed_positions"], errors
+
+
+@pytest.mark.parametrize("use_cache,exact", [(None, True), (True, False)])
+def test_packed_rows_through_a_forward_taking_use_cache_by_kwargs(ranks, use_cache, exact):
+    """GraniteMoE's forward takes use_cache only through **kwargs: smp.step still switches the
+    cache off, so packed documents stay apart (before: loss 1.1e-2 off). Negative control: the
+    batch asking for the cache attends across the documents."""
+    (report,) = ranks(1).run(cases.packed_step_vs_documents, family="granitemoe", use_cache=use_cache)
+    within = report["loss"] <= 1e-5 and report["grads"] <= 1e-5
+    assert within == exact, report
