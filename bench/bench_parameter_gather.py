@@ -6,6 +6,10 @@ where the network is the bottleneck.
         bench/bench_parameter_gather.py
     python bench/emulated_cluster.py --nodes 2 --procs-per-node 2 --link-mbit 10000 -- \
         bench/bench_parameter_gather.py
+    # HSDP: 2 replicas x 4 shards on 4 nodes x 2 ranks (each replica's gathers cross 2 nodes;
+    # hierarchical keeps the backward gather in the node)
+    python bench/emulated_cluster.py --nodes 4 --procs-per-node 2 --link-mbit 1000 -- \
+        bench/bench_parameter_gather.py --hybrid-shard 4
 
 Runs under plain `torchrun` too (then nothing is bandwidth-bound). A Llama with a large
 vocabulary and a short batch, bf16 parameters (FSDP all-gathers bf16), is trained through
@@ -15,7 +19,7 @@ time and its ratio to `default`, bytes this node's NIC sent per step (emulated n
 on the wire), parameter all-gather bytes per rank per step (counted by smp_collectives; the
 default gather by the plan's formula, which the tests check against counted bytes) and their
 ratio to bf16, and the loss after the last step against `default`.
-Writes bench/results/param_gather_w{N}[_emulated{M}mbit].json.
+Writes bench/results/param_gather_w{N}[_hsdp{R}x{S}][_n{nodes}x{ranks}][_emulated{M}mbit].json.
 
     python bench/bench_parameter_gather.py --throughput   # Q / D of the CPU path, break-even
 """
@@ -43,6 +47,13 @@ SETTINGS = {
     "sync int8": ({}, {"algorithm": "int8"}),
     "gather+sync int8": ({"algorithm": "int8"}, {"algorithm": "int8"}),
     "gather hier+sync int8": ({"algorithm": "int8", "hierarchical": True}, {"algorithm": "int8"}),
+}
+# Under HSDP (--hybrid-shard) also the replicas' all-reduce in int8 (smp's hook syncs them; FSDP's
+# mesh is then each replica's shard axis alone).
+REPLICA_SETTINGS = {
+    "gather+sync int8 +repl": ({"algorithm": "int8"}, {"algorithm": "int8", "cross_replica": "int8"}),
+    "gather hier+sync int8 +repl": ({"algorithm": "int8", "hierarchical": True},
+                                    {"algorithm": "int8", "cross_replica": "int8"}),
 }
 
 
@@ -82,6 +93,8 @@ def main() -> None:
     parser.add_argument("--throughput", action="store_true", help="only Q / D of the CPU path, no ranks")
     rounds.add_model_arguments(parser, steps_per_round=2)
     parser.add_argument("--only", nargs="*", default=None, help="settings to run (default: all)")
+    parser.add_argument("--hybrid-shard", type=int, default=0,
+                        help="HSDP: hybrid_shard_degree (ranks each replica shards over; 0: full shard over all)")
     args = parser.parse_args()
     if args.throughput:
         return throughput()
@@ -90,9 +103,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    settings = {k: v for k, v in SETTINGS.items() if args.only is None or k in args.only or k == "default"}
-    if local == world:  # one node: hierarchical has nothing to keep in the node (smp refuses it)
+    shard = args.hybrid_shard or world
+    table = {**SETTINGS, **REPLICA_SETTINGS} if args.hybrid_shard else SETTINGS
+    settings = {k: v for k, v in table.items() if args.only is None or k in args.only or k == "default"}
+    if local >= shard:  # each shard group inside one node: hierarchical has nothing to keep there (smp refuses it)
         settings = {k: v for k, v in settings.items() if "hier" not in k}
+    layout = {"hybrid_shard_degree": args.hybrid_shard} if args.hybrid_shard else {}
     cfg = rounds.llama_config(args)
     from transformers import LlamaForCausalLM
 
@@ -105,7 +121,7 @@ def main() -> None:
         bf16_same_units[name] = parameter_gather_settings(model, smp.state.config, flat=True)["default"]
 
     models = rounds.build_models({
-        name: {"mixed_precision": {"param_dtype": "bf16"}, "parameter_gather": gather, "gradient_sync": sync}
+        name: {"mixed_precision": {"param_dtype": "bf16"}, "parameter_gather": gather, "gradient_sync": sync, **layout}
         for name, (gather, sync) in settings.items()
     }, cfg, inspect=plan)
     params = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
@@ -131,18 +147,25 @@ def main() -> None:
     if rank == 0:
         mbit = rounds.emulated_link_mbit()
         where = f"emulated nodes ({world // local} x {local} ranks), {mbit} Mbit/s NICs" if mbit else "one host, loopback"
-        print(f"training step, world {world} full shard, {where}; Llama {params / 1e6:.1f}M params (hidden "
+        shape = f"HSDP {world // shard} x {shard}" if args.hybrid_shard else "full shard"
+        print(f"training step, world {world} {shape}, {where}; Llama {params / 1e6:.1f}M params (hidden "
               f"{args.hidden}, {args.layers} layers, vocab {args.vocab}), bf16 params, seq {args.seq}, 1 sequence "
               f"per rank, SGD; {args.rounds} rounds x {args.steps_per_round} steps")
-        print(f"{'setting':>22} {'step s':>8} {'speedup':>8} {'NIC tx/step':>12} {'gather B/rank':>14} "
+        print(f"{'setting':>27} {'step s':>8} {'speedup':>8} {'NIC tx/step':>12} {'gather B/rank':>14} "
               f"{'x bf16':>7} {'loss':>8} {'vs default':>10}")
         for r in rows:
-            print(f"{r['setting']:>22} {r['step_s']:>8.3f} {r['speedup']:>8.2f} "
+            print(f"{r['setting']:>27} {r['step_s']:>8.3f} {r['speedup']:>8.2f} "
                   f"{rounds.nic_cell(r['nic_tx_bytes_per_step'], 12)} "
                   f"{r['all_gather_bytes_per_rank']:>14.0f} {r['all_gather_vs_bf16']:>7.3f} {r['final_loss']:>8.4f} "
                   f"{100 * r['loss_vs_default']:>+9.3f}%")
-        rounds.write_result(f"param_gather_w{world}", dict(
-            world_size=world, ranks_per_node=local, **rounds.run_fields(args, params), rows=rows,
+        stem = f"param_gather_w{world}"
+        if args.hybrid_shard:
+            stem += f"_hsdp{world // shard}x{shard}"
+        if (world // local, local) != (2, 2):  # the 2 x 2 nodes' files keep their first names
+            stem += f"_n{world // local}x{local}"
+        rounds.write_result(stem, dict(
+            world_size=world, ranks_per_node=local, hybrid_shard_degree=args.hybrid_shard,
+            **rounds.run_fields(args, params), rows=rows,
         ))
     dist.barrier()
     dist.destroy_process_group()
