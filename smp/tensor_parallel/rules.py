@@ -83,14 +83,16 @@ def _whole_in_regions(m: Matched) -> Iterator[tuple[str, nn.Module, str, str, nn
     parameter entry) for each module inside a split region that owns such parameters and that
     neither the plan nor an earlier rule styles (a `local_params` module is split only in its
     named parameters: its submodules, such as per-head norms, still count). Frozen parameters
-    count too: a whole per-head parameter meets this rank's share of the heads in forward
-    whether or not it trains (Doge's per-KV-head `A` under LoRA, its base frozen)."""
+    count too, a whole per-head parameter meeting this rank's share of the heads in forward
+    whether or not it trains (Doge's per-KV-head `A` under LoRA, its base frozen), except a
+    frozen single value (Apertus' xIELU `alpha_p`): it acts alike on any share and gets no
+    gradient to be partial."""
     styled = {a.name for a in m.assignments if a.style != reg.LOCAL_PARAMS}
     for rname in sorted(m.regions):
         for sub, module in m.regions[rname].named_modules():
             name = _full(rname, sub)
             own = [(n, p) for n, p in module.named_parameters(recurse=False)
-                   if f"{name}.{n}" not in m.param_styles]
+                   if (p.requires_grad or p.numel() > 1) and f"{name}.{n}" not in m.param_styles]
             if own and not _covered(name, styled):
                 yield rname, m.regions[rname], sub, name, module, own
 
