@@ -41,6 +41,15 @@ def test_one_loop_matches_one_process(ranks, config):
     _assert_matches(ranks(2).run(cases.equivalence, config=config))
 
 
+@pytest.mark.parametrize("schedule", ["zbv_zero_bubble", "dualpipev"])
+def test_v_schedules_step_and_evaluate_match_one_process(ranks, schedule):
+    """The V schedules hold two adjacent stages per rank (one layer each: 4 layers at PP 2), and
+    torch's eval() still runs their backward actions: smp.evaluate used to assert in the hand-off
+    of input gradients between the two stages (and leave the other rank waiting)."""
+    config = {"pipeline_parallel_degree": 2, "pipeline": {"schedule": schedule, "microbatches": 4}}
+    _assert_matches(ranks(2).run(cases.equivalence, config=config, layers=4))
+
+
 @pytest.mark.parametrize("config", [FSDP2, CP2], ids=["fsdp2", "cp2"])
 def test_a_loss_fn_over_num_items_in_batch_matches_one_process(ranks, config):
     """loss_fn(outputs, batch) dividing its token sum by batch["num_items_in_batch"]."""
