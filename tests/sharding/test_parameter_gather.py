@@ -324,6 +324,22 @@ def test_world8_tp2_x_hsdp_2x2_int8_close_to_exact(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gather", [{"algorithm": "int8", "hierarchical": 2}, {"hierarchical": 2}], ids=["int8", "default"])
+def test_world8_hsdp_hierarchical_plan_equals_counted_bytes(ranks, gather):
+    """`smp plan` (meta model, fake world 8, the node mesh built over the fake group) plans the
+    bytes a real HSDP 2 x 4 step counts with the hierarchical gather."""
+    from smp.planning import plan
+    from smp.testing.models import tiny_llama_config
+    from tests.planning import planning_cases
+
+    config = {**HSDP_2X4, "parameter_gather": gather}
+    planned = plan(config, tiny_llama_config(), 8, seq_len=16, micro_batch=2).comm_bytes["all_gather"]
+    for got in ranks(8).run(planning_cases.measured_bytes, config=config):
+        counted = sum(v for k, v in got["sync"].items() if k.startswith("param_gather."))
+        assert counted == planned > 0, (planned, got["sync"])
+
+
+@pytest.mark.slow
 def test_world8_hsdp_refuses_a_node_as_large_as_the_shard_group(ranks):
     """HSDP 2 x 4 on nodes of 4: each replica's gathers already stay inside its node."""
     config = {**HSDP_2X4, "parameter_gather": {"hierarchical": 4}}
