@@ -351,16 +351,19 @@ def test_world8_hsdp_refuses_a_node_as_large_as_the_shard_group(ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,extra", [(2, {}), (4, {"hybrid_shard_degree": 2})], ids=["fsdp-2", "hsdp-2x2"])
-def test_int8_gather_training_within_half_percent(ranks, world, extra):
+@pytest.mark.parametrize("world,extra,gather", [
+    (2, {}, "int8"), (4, {"hybrid_shard_degree": 2}, "int8"),
+    (8, {"hybrid_shard_degree": 4}, {"algorithm": "int8", "hierarchical": 2}),
+], ids=["fsdp-2", "hsdp-2x2", "hsdp-2x4-hierarchical"])
+def test_int8_gather_training_within_half_percent(ranks, world, extra, gather):
     """200 AdamW steps of a tiny Llama, bf16 parameters: int8 gather vs the exact gather."""
     pool = ranks(world)
     config = {**BF16, **extra}
-    exact = pool.run(cases.loss_curve, config=config, steps=200)[0]
-    int8 = pool.run(cases.loss_curve, config={**config, "parameter_gather": "int8"}, steps=200)[0]
+    exact = pool.run(cases.loss_curve, config=config, steps=200, timeout=900)[0]
+    int8 = pool.run(cases.loss_curve, config={**config, "parameter_gather": gather}, steps=200, timeout=900)[0]
     assert exact[-1] < 0.75 * exact[0]  # it learned
     end_exact, end_int8 = statistics.mean(exact[-20:]), statistics.mean(int8[-20:])
-    print(f"world {world} {extra}: loss {exact[0]:.4f} -> exact {end_exact:.5f}, int8 gather {end_int8:.5f} "
+    print(f"world {world} {extra} {gather}: loss {exact[0]:.4f} -> exact {end_exact:.5f}, int8 gather {end_int8:.5f} "
           f"({100 * (end_int8 / end_exact - 1):+.3f}%; means of the last 20 steps)")
     assert abs(end_int8 - end_exact) < 0.005 * end_exact, (end_int8, end_exact)
     assert int8 != exact  # quantisation really happened
