@@ -5,7 +5,16 @@
 parallel and FSDP wrap them, as torchtitan orders it. Left out: the output head (its logits feed
 the loss; fp8 there costs accuracy for little time) and layers whose widths are not multiples of
 16 (`torch._scaled_mm`'s requirement). FSDP gathers the weights in their own dtype (torchao's
-fp8 all-gather is not switched on).
+fp8 all-gather is not switched on: it changes the parameters' class, which smp's parameter
+gather, gradient sync, mixed-precision cast and checkpoints have not been proven with).
+
+Under tensor parallel the layers keep smp's plan styles (torch's ColwiseParallel /
+RowwiseParallel): a sharded weight or activation is a DTensor, whose amax reduces over the TP
+group, so each rank casts with the scales one process would use. torchao's float8 TP styles are
+not needed for that (they move the all-gather of activations to float8, tensorwise only). The
+packed styles (a fused q|k|v or gate|up split per part) multiply each rank's shard as a plain
+tensor, so a float8 layer there would scale by its shard's amax: `check_fp8_tp_layers` refuses
+it. Under data parallelism each rank's activation and gradient scales come from its own rows.
 
 `check_fp8(recipe, device)` is called by `smp.init`: float8 matmuls need a CUDA device of
 compute capability >= 8.9 (Ada, Hopper and later) and torchao; anything else is refused there,
@@ -72,3 +81,28 @@ def apply_fp8(model: nn.Module, recipe: str) -> list[str]:
         config = float8.Float8LinearConfig.from_recipe_name(recipe)
         float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in names)
     return names
+
+
+def check_fp8_tp_layers(model: nn.Module) -> None:
+    """ConfigError if a float8 layer's tensor-parallel style multiplies local shards (the packed
+    styles: its weight is split per part, `_StridedShard`), where its scales would come from this
+    rank's shard instead of the whole weight. Called by smp.transform after tensor parallel."""
+    from torch.distributed.tensor import DTensor
+
+    from smp._compat import strided_shard_type
+
+    float8 = _float8_api()
+    strided = strided_shard_type()
+    applied = getattr(model, "_smp_tp_plan", {})
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, float8.float8_linear.Float8Linear) and isinstance(weight, DTensor) and \
+                any(isinstance(p, strided) for p in weight.placements):
+            style = applied.get(name, "packed_colwise").split(" ")[0]
+            raise ConfigError(
+                f"fp8 with tensor_parallel_degree {weight.device_mesh.size()}: {name!r} takes the style "
+                f"{style!r}, which multiplies each rank's shard of the fused weight on its own, so float8 "
+                "would scale it by the shard's amax and differ from one process. Split the fused "
+                "projection into one Linear per part (each then 'colwise'), set tensor_parallel_degree: 1, "
+                "or remove the fp8 section"
+            )

@@ -25,7 +25,7 @@ from smp.config import ConfigError, MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import AttentionProbe, install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
-from smp.fp8 import apply_fp8
+from smp.fp8 import apply_fp8, check_fp8_tp_layers
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.pipeline import build_pipeline
 from smp.sharding import apply_fsdp, has_meta_tensors, materialize_meta_model
@@ -144,6 +144,10 @@ class Step:
 
 def _fp8(model: nn.Module, run: Run) -> None:
     apply_fp8(model, run.cfg.fp8.recipe)  # Linear -> torchao Float8Linear (smp/fp8.py)
+
+
+def _fp8_tp_layers(model: nn.Module, run: Run) -> None:
+    check_fp8_tp_layers(model)  # a float8 layer under a packed style would scale by its shard (smp/fp8.py)
 
 
 def _tensor_parallel(model: nn.Module, run: Run) -> None:
@@ -279,6 +283,7 @@ def _always(dims: ParallelDims, cfg: SMPConfig) -> bool:
 RECIPE = (
     Step("fp8", lambda d, c: c.fp8 is not None, _fp8),  # before TP / FSDP wrap the Linear layers (torchtitan's order)
     Step("tensor_parallel", lambda d, c: d.tp > 1, _tensor_parallel),  # first: rewrites the layers the rest wraps
+    Step("fp8_tp_layers", lambda d, c: c.fp8 is not None and d.tp > 1, _fp8_tp_layers),  # no shard-local scales
     Step("context_parallel", lambda d, c: d.cp > 1, _context_parallel),  # attention over the cp chunks; wraps nothing
     Step("expert_parallel", lambda d, c: d.ep > 1, _expert_parallel),  # experts split and sharded before blocks are wrapped
     Step("load_balancing", _always, _load_balancing),  # the router loss summed over the data-parallel ranks
