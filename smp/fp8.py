@@ -6,7 +6,11 @@ parallel and FSDP wrap them, as torchtitan orders it. Left out: the output head 
 the loss; fp8 there costs accuracy for little time) and layers whose widths are not multiples of
 16 (`torch._scaled_mm`'s requirement). FSDP gathers the weights in their own dtype (torchao's
 fp8 all-gather is not switched on: it changes the parameters' class, which smp's parameter
-gather, gradient sync, mixed-precision cast and checkpoints have not been proven with).
+gather, gradient sync, mixed-precision cast and checkpoints have not been proven with. Measured
+on CPU, tensorwise: exact vs one process under FSDP alone; under TP x FSDP only with the scales
+precomputed over the whole weight after each optimizer step (torchao's
+`precompute_float8_dynamic_scale_for_fsdp`), since otherwise torchao reduces the weight's amax
+over the FSDP mesh alone and each TP shard gets its own scale: gradients 1e-2 off).
 
 Under tensor parallel the layers keep smp's plan styles (torch's ColwiseParallel /
 RowwiseParallel): a sharded weight or activation is a DTensor, whose amax reduces over the TP
