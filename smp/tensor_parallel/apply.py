@@ -133,7 +133,8 @@ def _split_widths(expanded: Matched) -> dict[str, set[int]]:
     for a in expanded.assignments:
         parent = a.name.rpartition(".")[0]
         if parent in expanded.regions and reg.fact(a.style, "opens_region"):
-            out = a.module.weight.shape[1] if is_conv1d(a.module) else a.module.weight.shape[0]
+            layer = reg.base_layer(a.module)  # a LoRA layer's base (GPT-2's Conv1D)
+            out = layer.weight.shape[1] if is_conv1d(layer) else layer.weight.shape[0]
             widths.setdefault(parent, set()).add(out // reg.STYLES[a.style].packed_parts)
     return widths
 

@@ -14,10 +14,29 @@ A LoRA layer computes base(x) + B(A(x)) x scaling, A: in -> r, B: r -> out, r sm
   Under sequence parallel the base's output is reduce-scattered by sequence, so is A's, and B
   runs whole on the sequence shard (its gradient summed over tp like a sequence-parallel norm's).
 
+- gathered column-wise base (`colwise_gather_output` / `colwise_rep`: OLMo2's q/k/v, Phi-3's
+  qkv; input whole, output gathered whole) and its row-wise partner that splits a whole input
+  (`rowwise_split_input` / `rowwise_rep`; output summed whole): the layer's input and output are
+  whole on every rank and so is the gradient reaching its output (what follows runs whole), so
+  both adapters stay whole: they compute one process's values, no collective. (lora_B split with
+  its output gathered would equal it too, but then A's gradient is each rank's share until
+  summed: one all-gather and one all-reduce per layer for r x out parameters.) Under sequence
+  parallel the row-wise partner leaves its output split by sequence: lora_B's whole output is
+  sliced the same way (its gradient all-gathered back whole).
+- packed column-wise base (`packed_qkv_colwise`: GPT-2's fused c_attn, `packed_colwise`: a fused
+  gate|up): lora_B is split the same packed way (each part's rows: rank r holds
+  [q_r | k_r | v_r]), lora_A stays whole; its output gradient is summed by lora_B's input as
+  in the column-wise case.
+- a whole layer with its own output hook (`mla_kv_a_proj`: MLA's joint down-projection, whose
+  rotary slice's gradient is summed over the ranks): the hook goes on the LoRA layer, so base
+  and adapters see the same summed gradient; the adapters stay whole. A whole layer the rules
+  leave whole inside MLA (`q_a_proj`, 'replicate') keeps its adapters whole with it: its output
+  gradient is already whole (rules.py, `mla_whole_input`).
+
 Adapters stay trainable parameters (DTensors where split), so FSDP shards them beside the base
 and `smp.integrations.save_adapter` gathers them whole. Refused (ConfigError, before any
-collective): styles other than column-/row-wise on an adapted layer, DoRA, LoRA on embeddings,
-QLoRA (bitsandbytes weights).
+collective): other styles on an adapted layer (experts, embeddings, a gathered head under
+sequence or loss parallel), DoRA, LoRA on embeddings, QLoRA (bitsandbytes weights).
 """
 
 from __future__ import annotations
@@ -30,8 +49,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from smp.errors import ConfigError
+from smp.tensor_parallel.styles import SEQ_DIM, OwnedOutput, PackedColwise, ReplicateToSequence
 
 COLWISE, ROWWISE = "colwise", "rowwise"
+WHOLE, PACKED, WHOLE_LAYER = "whole", "packed", "whole layer"  # the other placements (module docstring)
+GATHERED = ("colwise_gather_output", "colwise_rep")  # input whole, output gathered whole
+SPLIT_INPUT = ("rowwise_split_input", "rowwise_rep")  # whole input split inside, output summed
+PACKED_PARTS = {"packed_colwise": 2, "packed_qkv_colwise": 3}
+OWN_OUTPUT_HOOK = ("mla_kv_a_proj",)  # a whole layer whose style hooks its output
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -74,18 +99,65 @@ def is_lora_layer(module: nn.Module) -> bool:
             and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
 
 
-def adapter_styles(base: str, sequence_parallel: bool = False) -> tuple[ParallelStyle | None, ParallelStyle | None]:
-    """(lora_A's style, lora_B's style) beside a `base` ("colwise" / "rowwise") layer; None: left
-    whole (replicated). Under sequence parallel a row-wise base leaves its output split by
-    sequence (reduce-scatter): lora_A's partial sums are reduce-scattered the same way and
-    lora_B, whole, runs on the sequence shard (its gradient summed over the tp ranks, as a
-    sequence-parallel norm's)."""
+def adapter_styles(base: str, sequence_parallel: bool = False,
+                   parts: int = 1) -> tuple[ParallelStyle | None, ParallelStyle | None]:
+    """(lora_A's style, lora_B's style) beside a layer placed as `base` (COLWISE, ROWWISE, WHOLE,
+    PACKED with `parts` packed outputs, WHOLE_LAYER); None: left whole (replicated).
+    `sequence_parallel`: the base's output is split by sequence. A row-wise base then
+    reduce-scatters its output by sequence: lora_A's partial sums are reduce-scattered the same
+    way and lora_B, whole, runs on the sequence shard (its gradient summed over the tp ranks, as
+    a sequence-parallel norm's); a WHOLE adapter's output is sliced by sequence the same way."""
     if base == COLWISE:  # its input arrives whole, also under sequence parallel
         return None, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
+    if base == PACKED:
+        return None, PackedColwise(parts)
+    if base == WHOLE:
+        return None, ReplicateToSequence() if sequence_parallel else None
+    if base == WHOLE_LAYER:
+        return None, None
     if sequence_parallel:
         return (RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(1), use_local_output=False),
                 SequenceParallel(use_local_output=False))
     return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()), None
+
+
+def _layouts(style: ParallelStyle) -> tuple[tuple, tuple, bool] | None:
+    """(input layouts, output layouts, use_local_output) of a torch column-/row-wise style (inside
+    OwnedOutput); None for any other style."""
+    style = style.inner if isinstance(style, OwnedOutput) else style
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return None
+    return tuple(style.input_layouts), tuple(style.output_layouts), bool(style.use_local_output)
+
+
+WHOLE_IN_OUT = ((Replicate(),), (Replicate(),), True)  # whole input, whole plain output
+WHOLE_IN_SEQ_OUT = ((Replicate(),), (Shard(SEQ_DIM),), False)  # whole input, output split by sequence
+
+
+def placement(name: str, style_name: object, base_style: ParallelStyle) -> tuple[str, int, bool]:
+    """(how the adapters beside plan entry `name` are placed, packed parts, whether the base's
+    output is split by sequence for a WHOLE placement), read off the style's name and checked
+    against the layouts of the style built for it; ConfigError where smp places none."""
+    base = _base_style_name(style_name)
+    if base is not None:
+        return base, 1, False
+    if style_name in PACKED_PARTS and isinstance(base_style, PackedColwise):
+        return PACKED, base_style.parts, False
+    if style_name in OWN_OUTPUT_HOOK:
+        return WHOLE_LAYER, 1, False
+    layouts = _layouts(base_style)
+    if style_name in GATHERED and layouts == WHOLE_IN_OUT:
+        return WHOLE, 1, False
+    if style_name in SPLIT_INPUT and layouts in (WHOLE_IN_OUT, WHOLE_IN_SEQ_OUT):
+        return WHOLE, 1, layouts == WHOLE_IN_SEQ_OUT
+    why = ("" if style_name not in GATHERED + SPLIT_INPUT else
+           f" (here its input or output is not whole: {layouts}, e.g. an output head under sequence or loss parallel)")
+    raise ConfigError(
+        f"tensor parallel: {name} carries LoRA adapters and its plan style is {style_name!r}{why}; smp "
+        f"places adapters beside 'colwise', 'rowwise', gathered ('colwise_gather_output', "
+        f"'rowwise_split_input'), packed ('packed_qkv_colwise', 'packed_colwise') and 'mla_kv_a_proj' "
+        f"layers only: leave {name} out of the adapters' target_modules, or out of the tensor-parallel plan"
+    )
 
 
 def _base_style_name(style: object) -> str | None:
@@ -102,21 +174,16 @@ def parallelize_lora(name: str, module: nn.Module, style_name: object, base_styl
                      tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Split LoRA layer `module` (plan entry `name`, style `style_name`): the base layer by
     `base_style`, each adapter pair by `adapter_styles`."""
-    base = _base_style_name(style_name)
-    if base is None:
-        raise ConfigError(
-            f"tensor parallel: {name} carries LoRA adapters and its plan style is {style_name!r}; smp "
-            f"places adapters beside 'colwise' and 'rowwise' layers only: leave {name} out of the "
-            f"adapters' target_modules, or out of the tensor-parallel plan"
-        )
+    base, parts, seq_out = placement(name, style_name, base_style)
     if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
         raise ConfigError(f"tensor parallel: {name} uses DoRA (use_dora=True), which smp does not split; "
                           f"use plain LoRA or tensor_parallel_degree: 1")
     if len(getattr(module, "lora_embedding_A", {})):
         raise ConfigError(f"tensor parallel: {name} has LoRA embedding adapters, which smp does not split")
-    parallelize_module(module.base_layer, tp_mesh, base_style)
+    # A whole layer's output hook goes on the LoRA layer: base and adapters share its gradient.
+    parallelize_module(module if base == WHOLE_LAYER else module.base_layer, tp_mesh, base_style)
     for adapter in module.lora_A:
-        style_a, style_b = adapter_styles(base, sequence_parallel)
+        style_a, style_b = adapter_styles(base, seq_out if base == WHOLE else sequence_parallel, parts)
         if style_a is not None:
             parallelize_module(module.lora_A[adapter], tp_mesh, style_a)
         else:  # whole on every rank: takes the layer's input as a plain tensor (it may come as a DTensor)
@@ -128,7 +195,8 @@ def parallelize_lora(name: str, module: nn.Module, style_name: object, base_styl
 def _local_input(module: nn.Module, args: tuple) -> tuple:
     """A whole (replicated) adapter's input as this rank's plain tensor: a Replicate DTensor's
     local value is the whole input; its gradient goes back as Replicate (the adapter's output
-    gradient is already summed over the tp ranks by lora_B's column-wise input)."""
+    gradient is already summed over the tp ranks by lora_B's column-wise or packed input, or
+    whole where lora_B is whole)."""
     for a in args:
         if isinstance(a, DTensor) and any(not p.is_replicate() for p in a.placements):
             raise ConfigError(f"tensor parallel: a LoRA adapter's input is split ({a.placements}), not whole; "

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from smp.errors import ConfigError
+from smp.tensor_parallel.lora import is_lora_layer
 from smp.tensor_parallel.moe import MoeExperts
 from smp.tensor_parallel.styles import (
     SEQ_DIM, Conv1DColwise, Conv1DRowwise, LocalParams, MlaKvAProj, OwnedOutput, PackedColwise, RegionEntry,
@@ -223,4 +224,10 @@ def build_style(a: Assignment, opts: Options, model: nn.Module) -> ParallelStyle
     if info.build is None:
         raise KeyError(a.style)
     local = opts if a.sequence_parallel else replace(opts, sequence_parallel=False)
-    return info.build(Request(a.name, a.module, local, a.is_head, a.param_styles, model))
+    return info.build(Request(a.name, base_layer(a.module), local, a.is_head, a.param_styles, model))
+
+
+def base_layer(module: nn.Module) -> nn.Module:
+    """The layer a style is built for: a PEFT LoRA layer's base layer (GPT-2's Conv1D under its
+    adapters), else `module` (lora.py places the adapters)."""
+    return module.base_layer if is_lora_layer(module) else module

@@ -19,6 +19,7 @@ from torch import nn
 from smp.anatomy import Anatomy, is_norm
 from smp.errors import ConfigError, PlanError
 from smp.tensor_parallel import registry as reg
+from smp.tensor_parallel.lora import is_lora_layer
 from smp.tensor_parallel.registry import Options
 from smp.tensor_parallel.tp_plan import Assignment, Matched, TPPlan, in_width, match
 
@@ -174,12 +175,18 @@ def mla_whole_input(m: Matched, opts: Options) -> list[Assignment]:
         region, hdim = m.regions[rname], head_dim(m.model, m.regions[rname])
         latents = {in_width(m.modules[n]) for n, (_, style) in m.entries.items()
                    if reg.fact(style, "opens_region") and n.rpartition(".")[0] == rname}
+        whole: set[str] = set()
         for sub, module in region.named_modules():
             name = _full(rname, sub)
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if not own or _covered(name, plan_styled):
+            # A LoRA layer counts as its base layer, its adapters with it (whole beside it, their
+            # gradient as whole as the base's: lora.py); frozen parameters count, as in
+            # `_whole_in_regions`.
+            lora = is_lora_layer(module)
+            layer = module.base_layer if lora else module
+            own = [p for p in module.parameters(recurse=lora) if p.requires_grad or p.numel() > 1]
+            if not own or _covered(name, plan_styled | whole):
                 continue
-            if isinstance(module, nn.Linear) and module.in_features == m.widths.get(rname):
+            if isinstance(layer, nn.Linear) and layer.in_features == m.widths.get(rname):
                 why = "auto: reads the MLA region's unsplit input"
             elif all(p.ndim == 1 and p.shape[0] in latents for p in own) and is_norm(module):
                 if hdim in {p.shape[0] for p in own}:
@@ -193,6 +200,7 @@ def mla_whole_input(m: Matched, opts: Options) -> list[Assignment]:
             else:
                 continue
             extras.append(Assignment(name, module, reg.REPLICATE, why=why))
+            whole.add(name)
     return extras
 
 

@@ -537,10 +537,12 @@ def peft_model(model: torch.nn.Module) -> torch.nn.Module:
 def lora_tp2(config: dict, family: str, corrupt: str | None = None) -> dict:
     """One "lora-tp2" cell: `family` with LoRA (peft_model) under `config` vs the same PeftModel
     in one process: loss and every gradient (adapters; the frozen base has none on either side)
-    of one step within TOL, with at least one adapter split over the "tp" axis ("not run" when
-    the plan splits none of the adapted layers). `corrupt`:
+    of one step within TOL, with at least one adapted layer whose base the plan splits over the
+    "tp" axis ("not run" when it splits none: the adapters then run beside whole layers; beside
+    a split layer they may still be whole, e.g. beside a gathered one: lora.py). `corrupt`:
     tests/tensor_parallel/lora_tp_cases.py's negative controls ("unreduced": a row-wise
     layer's lora_A output left as this rank's partial sum)."""
+    from smp.tensor_parallel.lora import is_lora_layer
     from tests.tensor_parallel.lora_tp_cases import _corrupted
 
     try:
@@ -570,14 +572,15 @@ def lora_tp2(config: dict, family: str, corrupt: str | None = None) -> dict:
             trainable = [p for p in model.parameters() if p.requires_grad]
             report = {"loss_diff": abs(world_mean(loss) - float(ref_loss.detach())),
                       "grad_diff": _grad_diff(model, reference), "adapters": len(trainable),
-                      "adapters_split": sum(1 for p in trainable if isinstance(p, DTensor)
-                                            and "tp" in (p.device_mesh.mesh_dim_names or ()))}
+                      "adapters_split": sum(1 for p in trainable if _on_tp(p)),
+                      "layers_split": sum(1 for m in model.modules()
+                                          if is_lora_layer(m) and _on_tp(m.base_layer.weight))}
     except smp.Error as e:
         return {"status": "refused", "detail": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
     except Exception as e:  # noqa: BLE001 - a crash is a finding, reported with its traceback
         return {"status": "crash", "detail": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
     exact = report["loss_diff"] < TOL and report["grad_diff"] < TOL
-    if exact and not report["adapters_split"]:
+    if exact and not report["layers_split"]:
         # a plan that splits only the experts (GraniteMoE, PhiMoE, DeepSeek-V4): the adapters run
         # whole beside whole layers, which is no case of LoRA under TP
         return {"status": "not run", "detail": (
@@ -587,6 +590,10 @@ def lora_tp2(config: dict, family: str, corrupt: str | None = None) -> dict:
     if eval_mode:
         cell["note"] = "eval mode: its training forward draws random numbers (sampled routing)"
     return cell
+
+
+def _on_tp(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
 
 
 # mode -> its case function, where it is not `classify`

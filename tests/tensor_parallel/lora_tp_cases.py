@@ -15,12 +15,13 @@ import os
 from typing import Iterator
 
 import torch
-from torch.distributed.tensor import Partial, Shard
-from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import smp
 from smp.integrations.peft import merged_state_dict, save_adapter
 from smp.tensor_parallel import lora
+from smp.tensor_parallel.registry import PARTIAL_GRAD, Assignment
 from smp.testing.distributed import full_tensor, local_rows, world_mean
 from smp.testing.models import random_batch, tiny_llama
 
@@ -39,25 +40,81 @@ def build_peft(seed: int = 0) -> torch.nn.Module:
     return get_peft_model(base, config)
 
 
+class _LocalGrad(torch.autograd.Function):
+    """Identity into a Replicate DTensor whose backward hands back this rank's share of the
+    gradient unreduced (a negative control's broken sum)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.to_local() if isinstance(grad, DTensor) else grad), None
+
+
+class _GatheredUnreduced(ColwiseParallel):
+    """lora_B beside a gathered layer split column-wise with its output gathered, and lora_A's
+    output gradient left as this rank's share."""
+
+    def __init__(self):
+        super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
+
+    def _apply(self, module, device_mesh):
+        module.register_forward_pre_hook(lambda _m, args: (_LocalGrad.apply(args[0], device_mesh),))
+        return super()._apply(module, device_mesh)
+
+
+def _q_a_summed(expand):
+    """expand_plan, with the adapters of MLA's whole q_a_proj taken as partial: their gradient
+    (already whole) summed over the tp ranks."""
+    def wrapped(model, *args, **kwargs):
+        expanded = expand(model, *args, **kwargs)
+        for a in list(expanded.assignments):
+            if a.name.endswith("q_a_proj") and lora.is_lora_layer(a.module):
+                for part in ("lora_A", "lora_B"):
+                    for key, sub in getattr(a.module, part).items():
+                        expanded.assignments.append(Assignment(f"{a.name}.{part}.{key}", sub, PARTIAL_GRAD))
+        return expanded
+    return wrapped
+
+
 @contextlib.contextmanager
 def _corrupted(kind: str | None) -> Iterator[None]:
     """`unreduced`: a row-wise layer's lora_A output is left as this rank's partial sum;
-    `unfrozen`: the frozen parameters sequence parallel re-creates are left trainable."""
-    saved, keep_frozen = lora.adapter_styles, tp_apply._keep_frozen
-    if kind == "unreduced":
-        def styles(base, sequence_parallel=False):
-            if base == lora.ROWWISE:
+    `unfrozen`: the frozen parameters sequence parallel re-creates are left trainable;
+    `gathered_unreduced`: beside a gathered layer, lora_B split with its output gathered and
+    lora_A's gradient left as this rank's share; `packed_contiguous`: beside a packed layer,
+    lora_B split in contiguous rows, not each packed part's; `mla_q_a_summed`: MLA's q_a_proj
+    adapters' whole gradient summed over the ranks as if partial; `mla_rope_on_base`: MLA's
+    kv_a_proj_with_mqa rotary-gradient sum hooked on its base layer, the adapters beside it
+    getting each rank's partial gradient."""
+    saved, keep_frozen, expand = lora.adapter_styles, tp_apply._keep_frozen, tp_apply.expand_plan
+    placement = lora.placement
+    if kind in ("unreduced", "gathered_unreduced", "packed_contiguous"):
+        def styles(base, sequence_parallel=False, parts=1):
+            if kind == "unreduced" and base == lora.ROWWISE:
                 return RowwiseParallel(input_layouts=Shard(-1), output_layouts=Partial()), None
-            return saved(base, sequence_parallel)
+            if kind == "gathered_unreduced" and base == lora.WHOLE and not sequence_parallel:
+                return None, _GatheredUnreduced()
+            if kind == "packed_contiguous" and base == lora.PACKED:
+                return None, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1))
+            return saved(base, sequence_parallel, parts)
         lora.adapter_styles = styles
     elif kind == "unfrozen":
         tp_apply._keep_frozen = lambda model, frozen: None
+    elif kind == "mla_q_a_summed":
+        tp_apply.expand_plan = _q_a_summed(expand)
+    elif kind == "mla_rope_on_base":
+        lora.placement = lambda name, style, base_style: (
+            (lora.WHOLE, 1, False) if style in lora.OWN_OUTPUT_HOOK else placement(name, style, base_style))
     elif kind is not None:
         raise ValueError(kind)
     try:
         yield
     finally:
-        lora.adapter_styles, tp_apply._keep_frozen = saved, keep_frozen
+        lora.adapter_styles, tp_apply._keep_frozen, tp_apply.expand_plan = saved, keep_frozen, expand
+        lora.placement = placement
 
 
 def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

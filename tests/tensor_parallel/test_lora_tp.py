@@ -8,12 +8,24 @@ over two SGD steps; the adapter `save_adapter` writes equals PEFT's `save_pretra
 with PeftModel.from_pretrained), the merged weights equal PEFT's `merge_and_unload()`. Negative
 controls: a row-wise layer's adapter output left unreduced; frozen norms left trainable by
 sequence parallel.
+
+Beside the other styles the families' own plans put on adapted layers (LoRA on every linear but
+the head, the model-coverage cell's case): gathered column-wise layers and their row-wise
+partners (OLMo2), GPT-2's packed q|k|v, MLA's whole q_a_proj and kv_a_proj_with_mqa
+(DeepSeek-V2), each with its negative control: lora_B split with its output gathered and lora_A's
+gradient left unreduced; lora_B split in contiguous rows, not by packed part; q_a_proj's whole
+adapter gradient summed as if partial; the rotary-gradient sum hooked on the base layer only.
 """
 
 from __future__ import annotations
 
 import pytest
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel
 
+import smp
+from smp.tensor_parallel import lora
+from tests.models import model_coverage_cases as coverage_cases
 from tests.tensor_parallel import lora_tp_cases
 
 TOL = 1e-5
@@ -53,3 +65,26 @@ def test_qlora_is_refused_where_bitsandbytes_cannot_run(ranks):
     for message in ranks(2).run(lora_tp_cases.transform_error, config=TP2, quantized=True):
         assert message.startswith("ConfigError") and "bitsandbytes 4-bit" in message, message
         assert "bitsandbytes needs a CUDA device, this run is on cpu" in message, message
+
+
+@pytest.mark.parametrize("family,config", [("olmo2", TP2), ("olmo2", TP2_SP), ("gpt2", TP2), ("deepseek_v2", TP2)],
+                         ids=["gathered", "gathered-sp", "packed-qkv", "mla"])
+def test_lora_beside_gathered_packed_and_mla_layers_matches_single_process(ranks, family, config):
+    for r in ranks(2).run(coverage_cases.lora_tp2, family=family, config=config, timeout=300):
+        assert r["status"] == "exact" and r["detail"]["layers_split"] > 0, r
+
+
+@pytest.mark.parametrize("family,corrupt", [("olmo2", "gathered_unreduced"), ("gpt2", "packed_contiguous"),
+                                            ("deepseek_v2", "mla_q_a_summed"), ("deepseek_v2", "mla_rope_on_base")])
+def test_misplaced_adapter_beside_those_layers_is_caught(ranks, family, corrupt):
+    for r in ranks(2).run(coverage_cases.lora_tp2, family=family, config=TP2, corrupt=corrupt, timeout=300):
+        assert r["status"] == "mismatch", r
+        assert max(r["detail"]["loss_diff"], r["detail"]["grad_diff"]) > 1e-3, r
+
+
+def test_gathered_layer_whose_input_is_not_whole_is_refused():
+    """An output head styled 'colwise_gather_output' under sequence parallel takes the sequence
+    shards: its adapters would need the whole input, so smp refuses, naming the layouts."""
+    style = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    with pytest.raises(smp.ConfigError, match="carries LoRA adapters.*not whole"):
+        lora.placement("lm_head", "colwise_gather_output", style)
