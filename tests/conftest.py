@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# Triton kernels run on CPU tensors in tests. Set before anything imports triton: triton reads
+# it when it loads, and importing smp (through torch._dynamo) already does.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from smp.testing.rank_pool import RankPool
+import pytest  # noqa: E402
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors in tests
+from smp.testing.rank_pool import RankPool  # noqa: E402
 
 _POOLS: dict[int, RankPool] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # smp's own warnings are errors (pyproject.toml's filterwarnings holds the rest of the list).
+    config.addinivalue_line("filterwarnings", "error::smp.errors.SMPWarning")
 
 
 def _pool(world_size: int) -> RankPool:
