@@ -247,6 +247,7 @@ PROVEN = {
     ("trainer", "peft", "tp"): "tests/integrations/test_trainer.py::test_lora_under_tp_matches_single_process",
     ("trainer", "peft", "tp", "dp"): "tests/integrations/test_trainer.py::test_lora_under_tp_matches_single_process",
     ("hierarchical_gather", "dp"): "tests/sharding/test_parameter_gather.py::test_hierarchical_default_equals_flat_bitwise",
+    ("hierarchical_gather", "hsdp"): "tests/sharding/test_parameter_gather.py::test_world8_hierarchical_equals_flat_bitwise",
 }
 
 
