@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import gc
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -174,17 +173,6 @@ def refused_without_cuda() -> list[Figure]:
     return [Figure("refused at smp.init without CUDA", "accepted", status=FAIL, reason="smp.init accepted it")]
 
 
-def _timed_steps(model, optimizer, ids, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        wl.train_step(model, optimizer, ids)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def step_time(device: torch.device, size: str, steps: int) -> list[Figure]:
     """Median step seconds of smp with CUDA graphs, the plain loop with its blocks compiled
     reduce-overhead, and the plain loop eager, timed in alternating rounds."""
@@ -206,11 +194,11 @@ def step_time(device: torch.device, size: str, steps: int) -> list[Figure]:
             runs["smp, cuda graphs"] = smp.transform(copy.deepcopy(plain))
             opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in runs.items()}
             for name, model in runs.items():
-                _timed_steps(model, opts[name], ids, WARMUP)
+                wl.timed_steps(model, opts[name], ids, WARMUP)
             times: dict[str, list[float]] = {name: [] for name in runs}
             for _ in range(max(1, steps // ROUND)):
                 for name, model in runs.items():
-                    times[name] += _timed_steps(model, opts[name], ids, ROUND)
+                    times[name] += wl.timed_steps(model, opts[name], ids, ROUND)
             del opts
     finally:
         del runs, graphed, plain

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import gc
 import statistics
-import time
 
 import torch
 
@@ -35,17 +34,6 @@ SETTINGS = {
     "activation_checkpointing full": {"activation_checkpointing": "full"},
     "compile (inductor), checkpointing none": {"activation_checkpointing": "none", "compile": True},
 }
-
-
-def _timed_steps(model, optimizer, ids, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        wl.train_step(model, optimizer, ids)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def _step_bytes(model, optimizer, ids) -> int:
@@ -84,7 +72,7 @@ def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepRes
     ])
     ids = wl.batch(work, plain.config.vocab_size, device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-5)
-    _timed_steps(plain, plain_opt, ids, WARMUP)
+    wl.timed_steps(plain, plain_opt, ids, WARMUP)
     # The compiled baseline: the same weights, each decoder layer compiled, as the user's own loop
     # would compile it (built only when a setting compiles; its optimizer state is its own).
     plain_compiled = plain_compiled_opt = None
@@ -101,15 +89,15 @@ def run(device: torch.device, *, size: str, steps: int, out_dir: str) -> StepRes
             for block in find_blocks(plain_compiled):
                 block.compile()
             plain_compiled_opt = torch.optim.AdamW(plain_compiled.parameters(), lr=1e-5)
-            _timed_steps(plain_compiled, plain_compiled_opt, ids, WARMUP)
+            wl.timed_steps(plain_compiled, plain_compiled_opt, ids, WARMUP)
         base, base_opt = (plain_compiled, plain_compiled_opt) if compiled else (plain, plain_opt)
         try:
             with smp.session({**BASE_CONFIG, **extra}, backend="nccl"):
                 model = smp.transform(copy.deepcopy(plain))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-                _timed_steps(model, opt, ids, WARMUP)
-                smp_s, plain_s = _alternate(lambda n: _timed_steps(model, opt, ids, n),
-                                            lambda n: _timed_steps(base, base_opt, ids, n), steps)
+                wl.timed_steps(model, opt, ids, WARMUP)
+                smp_s, plain_s = _alternate(lambda n: wl.timed_steps(model, opt, ids, n),
+                                            lambda n: wl.timed_steps(base, base_opt, ids, n), steps)
                 smp_bytes, plain_bytes = _step_bytes(model, opt, ids), _step_bytes(base, base_opt, ids)
                 del model, opt
         except torch.cuda.OutOfMemoryError as e:

@@ -3,6 +3,7 @@ its batch, one bf16-autocast training step, and whether the device has the memor
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,18 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: to
     forward_backward(model, ids)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def timed_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> list[float]:
+    """Wall seconds of each of `steps` training steps, the device synchronised around each."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        train_step(model, optimizer, ids)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def bytes_needed(params: int, workload: Workload, models: int, vocab: int, layers: int, hidden: int) -> int:
