@@ -37,7 +37,7 @@ class Feature:
     on: Callable[[Any, Any], bool]  # (config, dims or None) -> whether this run has it
     setting: Callable[[Any, Any], str]  # how the user turned it on, for messages
     example: dict  # the smallest config turning it on (tests/core/test_composition.py enumerates these)
-    meaning: str = ""  # for features the model decides ("model"): what turns them on, for the legend
+    meaning: str = ""  # for features the model decides ("model") or derived ones: what turns them on, for the legend
 
 
 def _degree(key: str) -> tuple[Callable[[Any, Any], bool], Callable[[Any, Any], str]]:
@@ -46,6 +46,10 @@ def _degree(key: str) -> tuple[Callable[[Any, Any], bool], Callable[[Any, Any], 
 
 def _pp(c: Any) -> bool:
     return c.pipeline_parallel_degree > 1
+
+
+def _fp8_gather(c: Any) -> bool:
+    return c.fp8 is not None and c.fp8.all_gather
 
 
 FEATURES = {f.name: f for f in (
@@ -92,8 +96,13 @@ FEATURES = {f.name: f for f in (
             {"parameter_gather": {"hierarchical": 2}}),
     Feature("ring_sync", "config", lambda c, d: c.gradient_sync.algorithm == "ring",
             lambda c, d: "gradient_sync.algorithm 'ring'", {"gradient_sync": {"algorithm": "ring"}}),
+    Feature("fp8_gather", "config", lambda c, d: _fp8_gather(c), lambda c, d: "fp8.all_gather: true",
+            {"fp8": {"all_gather": True}}),
     Feature("dp", "world", lambda c, d: d is not None and d.dp > 1,
             lambda c, d: f"{d.dp} data-parallel ranks per stage", {}),
+    Feature("fp8_gather_unsharded", "world", lambda c, d: d is not None and _fp8_gather(c) and d.dp_shard == 1,
+            lambda c, d: f"fp8.all_gather: true with dp_shard={d.dp_shard}", {"fp8": {"all_gather": True}},
+            "fp8.all_gather: true where FSDP shards over one rank (dp_shard 1: the other degrees take every rank)"),
     Feature("trainer", "run", lambda c, d: False, lambda c, d: "SMPTrainer", {}),
     Feature("fsdp_units", "model", lambda c, d: False, lambda c, d: "FSDP units (built by smp.transform for this model)",
             {}, "FSDP units built at world 1: parameters not all float32 under mixed precision, smp's gradient-sync "
@@ -222,6 +231,44 @@ CUDA_GRAPH_REFUSALS = tuple(Refusal(("cuda_graphs", feature), reason, f"{fix}, {
 ))
 REFUSED += CUDA_GRAPH_REFUSALS
 
+# fp8.all_gather (torchao's float8 all-gather of FSDP's weights): proven equal to the run without it
+# under FSDP and HSDP alone; everything else that touches the gather, or is not proven with it, is
+# refused.
+_FP8_GATHER_PROOF = "tests/training/test_fp8.py::test_all_gather_refusals_name_the_key_and_the_fix"
+_FP8_GATHER_OFF = "or set fp8.all_gather: false (fp8 itself composes with it)"
+_FP8_GATHER_UNPROVEN = "smp has proven fp8.all_gather under FSDP and HSDP alone"
+FP8_GATHER_REFUSALS = tuple(Refusal(("fp8_gather", feature), reason, f"{fix}, {_FP8_GATHER_OFF}", _FP8_GATHER_PROOF)
+          for feature, reason, fix in (
+    ("tp", "torchao takes a weight's float8 scale for the all-gather from its amax over the FSDP ranks alone, so "
+     "each tensor-parallel shard would be cast with its own scale (measured: gradients 1e-2 off one process); "
+     "whole-weight scales need torchao's precompute_float8_dynamic_scale_for_fsdp after every optimizer step, "
+     "which smp does not own", "set tensor_parallel_degree: 1"),
+    ("param_gather", "parameter_gather replaces FSDP's all-gather, which fp8.all_gather turns into a float8 one",
+     "set parameter_gather.algorithm: default"),
+    ("hierarchical_gather", "parameter_gather.hierarchical replaces FSDP's backward all-gather, which "
+     "fp8.all_gather turns into a float8 one", "set parameter_gather.hierarchical: false"),
+    ("ring_sync", "the ring algorithm replaces FSDP's parameter all-gather too, which fp8.all_gather turns into a "
+     "float8 one", "use gradient_sync default"),
+    ("cpu_offload", f"{_FP8_GATHER_UNPROVEN}: not with the shards in host memory", "set cpu_offload: false"),
+    ("param_cast", "the float8 gather casts the float32 shard straight to float8, while the run without it casts "
+     "to mixed_precision.param_dtype first and then to float8: the weights differ in float8 rounding (measured "
+     "under bf16: gradients 7.7e-3 apart)",
+     "remove mixed_precision.param_dtype (train under torch.autocast)"),
+    ("reshard", f"{_FP8_GATHER_UNPROVEN}, with the default resharding", "remove reshard_after_forward"),
+    ("cp", _FP8_GATHER_UNPROVEN, "set context_parallel_degree: 1"),
+    ("ep", _FP8_GATHER_UNPROVEN, "set expert_parallel_degree: 1"),
+    ("pp", _FP8_GATHER_UNPROVEN, "set pipeline_parallel_degree: 1"),
+    ("compile", _FP8_GATHER_UNPROVEN, "set compile: false"),
+    ("selective_ac", _FP8_GATHER_UNPROVEN, "use activation_checkpointing 'full' or 'none'"),
+    ("offloading", _FP8_GATHER_UNPROVEN, "set activation_offloading: false"),
+)) + (
+    # After the config's rows: a config refused on its own is refused for its own reason at any world size.
+    Refusal(("fp8_gather_unsharded",), "there is no FSDP all-gather to run in float8 where FSDP shards over one "
+            "rank", "give FSDP more than one rank to shard over (dp_shard > 1), or set fp8.all_gather: false",
+            _FP8_GATHER_PROOF),
+)
+REFUSED += FP8_GATHER_REFUSALS
+
 # Combinations a test proves equal to one process (loss and gradients), beyond each feature alone.
 PROVEN = {
     ("tp", "dp"): "tests/tensor_parallel/test_tensor_parallel.py::test_matches_single_process",
@@ -248,6 +295,8 @@ PROVEN = {
     ("trainer", "peft", "tp", "dp"): "tests/integrations/test_trainer.py::test_lora_under_tp_matches_single_process",
     ("hierarchical_gather", "dp"): "tests/sharding/test_parameter_gather.py::test_hierarchical_default_equals_flat_bitwise",
     ("hierarchical_gather", "hsdp"): "tests/sharding/test_parameter_gather.py::test_world8_hierarchical_equals_flat_bitwise",
+    ("fp8_gather", "dp"): "tests/training/test_fp8.py::test_all_gather_matches_without_it_and_one_process",
+    ("fp8_gather", "hsdp"): "tests/training/test_fp8.py::test_all_gather_matches_without_it_and_one_process",
 }
 
 
@@ -317,9 +366,10 @@ def feature_legend() -> str:
 
     lines = ["| feature | turned on by |", "|---|---|"]
     for f in FEATURES.values():
-        how = {"world": "more than one data-parallel rank per stage (world size / other degrees)",
-               "run": "SMPTrainer" if f.name == "trainer" else "a PEFT model under SMPTrainer",
-               "model": f.meaning}.get(f.where)
+        how = f.meaning or {
+            "world": "more than one data-parallel rank per stage (world size / other degrees)",
+            "run": "SMPTrainer" if f.name == "trainer" else "a PEFT model under SMPTrainer",
+        }.get(f.where)
         lines.append(f"| `{f.name}` | {how or '`' + json.dumps(f.example) + '`'} |")
     return "\n".join(lines) + "\n"
 

@@ -131,12 +131,35 @@ class ParameterGatherConfig(_Strict):
         return value
 
 
+FP8_GATHER_ON_META = (
+    "fp8.all_gather wraps each float8 layer's weight in torchao's float8-castable class, which smp's "
+    "initialisation of a meta-device model (delayed_param_initialization, or a model built on the meta device) "
+    "does not handle; build the model on the CPU or the device (delayed_param_initialization: false), or set "
+    "fp8.all_gather: false"
+)
+
+
 class FP8Config(_Strict):
     """FP8 training through torchao's float8 (smp/fp8.py): Linear matmuls in float8 with dynamic
     scales; needs CUDA with compute capability >= 8.9 and torchao (refused at smp.init otherwise)."""
 
     # tensorwise: one scale per tensor (fastest); rowwise: one per row (closer to bf16, slower).
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    # FSDP all-gathers the converted layers' weights in float8 (1 byte per element, half of
+    # bf16's), cast with the whole weight's scale before the gather (torchao's
+    # enable_fsdp_float8_all_gather). Off by default: it pays where the all-gather's bytes set
+    # the step time (many ranks, slow links); tensorwise under FSDP / HSDP only (smp/composition.py).
+    all_gather: bool = False
+
+    @model_validator(mode="after")
+    def _all_gather_is_tensorwise(self) -> "FP8Config":
+        if self.all_gather and self.recipe != "tensorwise":
+            raise ValueError(
+                f"fp8.all_gather casts each weight with one scale for the whole tensor before FSDP gathers it, "
+                f"which torchao provides for recipe 'tensorwise' only, not {self.recipe!r}; set recipe: "
+                "tensorwise or all_gather: false"
+            )
+        return self
 
 
 class TensorParallelConfig(_Strict):
@@ -436,6 +459,23 @@ class SMPConfig(_Strict):
     @classmethod
     def _gather_from_string(cls, value: Any) -> Any:
         return {"algorithm": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _fp8_gather_proven(self) -> "SMPConfig":
+        # What fp8.all_gather composes with is in smp/composition.py's table; these values (no
+        # feature there) are refused here. smp.transform refuses a model built on the meta device.
+        if self.fp8 is None or not self.fp8.all_gather:
+            return self
+        if self.delayed_param_initialization:
+            raise ValueError(FP8_GATHER_ON_META)
+        sync = self.gradient_sync
+        if sync.algorithm in ("int8", "fp8") or sync.cross_replica != "default":  # ring: the table's row
+            raise ValueError(
+                f"fp8.all_gather with gradient_sync {{algorithm: {sync.algorithm}, cross_replica: "
+                f"{sync.cross_replica}}}: smp has proven fp8.all_gather with FSDP's own gradient reduction only; "
+                "set gradient_sync: default, or set fp8.all_gather: false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _hierarchical_gather_reshards(self) -> "SMPConfig":

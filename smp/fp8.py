@@ -1,16 +1,24 @@
-"""FP8 training through torchao's float8 (`fp8: {recipe: tensorwise | rowwise}`, docs/config.md).
+"""FP8 training through torchao's float8 (`fp8: {recipe: tensorwise | rowwise, all_gather}`, docs/config.md).
 
 `apply_fp8(model, recipe)` swaps the model's `nn.Linear` layers for torchao's `Float8Linear`
 (matmuls in float8 with dynamic scales, weights and gradients kept in their dtype), before tensor
 parallel and FSDP wrap them, as torchtitan orders it. Left out: the output head (its logits feed
 the loss; fp8 there costs accuracy for little time) and layers whose widths are not multiples of
-16 (`torch._scaled_mm`'s requirement). FSDP gathers the weights in their own dtype (torchao's
-fp8 all-gather is not switched on: it changes the parameters' class, which smp's parameter
-gather, gradient sync, mixed-precision cast and checkpoints have not been proven with. Measured
-on CPU, tensorwise: exact vs one process under FSDP alone; under TP x FSDP only with the scales
-precomputed over the whole weight after each optimizer step (torchao's
-`precompute_float8_dynamic_scale_for_fsdp`), since otherwise torchao reduces the weight's amax
-over the FSDP mesh alone and each TP shard gets its own scale: gradients 1e-2 off).
+16 (`torch._scaled_mm`'s requirement), and mixture-of-experts routers (`router`, `gate`). Experts
+held as `[E, ...]` parameters (transformers 5's fused experts) are no Linear and stay as they are.
+
+FSDP gathers the weights in their own dtype unless `fp8.all_gather` is on (`apply_fp8(...,
+all_gather=True)`: torchao's `enable_fsdp_float8_all_gather`). Then each converted weight is
+torchao's `WeightWithDynamicFloat8CastTensor`: before FSDP's all-gather every rank casts its shard
+to float8 with the scale of the whole weight (its amax all-reduced over FSDP's shard mesh), so
+the gathered float8 weight is bit for bit the one the run without it casts after gathering.
+That holds where FSDP's mesh is the whole weight: under FSDP and HSDP (the replicas hold the same
+weight). Under TP x FSDP torchao reduces the amax over the FSDP mesh alone and each TP shard gets
+its own scale (gradients 1e-2 off) unless torchao's `precompute_float8_dynamic_scale_for_fsdp`
+runs after every optimizer step, which smp does not own: refused, with everything else not
+proven with it (smp/composition.py's table, the config's validators, `check_fp8_materialized`).
+The weights' class is torchao's only inside the run: `plain_weights` gives checkpoints and
+exports the plain tensors.
 
 Under tensor parallel the layers keep smp's plan styles (torch's ColwiseParallel /
 RowwiseParallel): a sharded weight or activation is a DTensor, whose amax reduces over the TP
@@ -27,6 +35,7 @@ naming the requirement, before the process group exists.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -37,6 +46,9 @@ from smp.errors import ConfigError
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 _HEAD_NAMES = ("lm_head", "output", "head", "score", "classifier")
+# A mixture-of-experts router (a Linear in user models and older transformers: `router`, `gate`):
+# its logits pick the experts, where float8 rounding flips choices for little time saved.
+_ROUTER_NAMES = ("router", "gate")
 
 
 def check_fp8(recipe: str | None, device: torch.device) -> None:
@@ -68,23 +80,37 @@ def _float8_api() -> Any:
 
 
 def fp8_layer(name: str, module: nn.Module) -> bool:
-    """Whether `name` is converted: an nn.Linear, not the output head, widths multiples of 16."""
+    """Whether `name` is converted: an nn.Linear, not the output head nor a router, widths
+    multiples of 16."""
     if type(module) is not nn.Linear:
         return False
-    if name.rpartition(".")[2] in _HEAD_NAMES:
+    if name.rpartition(".")[2] in _HEAD_NAMES + _ROUTER_NAMES:
         return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_fp8(model: nn.Module, recipe: str) -> list[str]:
+def apply_fp8(model: nn.Module, recipe: str, all_gather: bool = False) -> list[str]:
     """Swap the model's Linear layers for torchao's Float8Linear (`recipe`'s scaling); returns
-    the converted layers' names. Works on the meta device (the swap keeps the parameters)."""
+    the converted layers' names. Works on the meta device (the swap keeps the parameters).
+    `all_gather` (tensorwise only): their weights become torchao's float8-castable subclass, which
+    FSDP2 all-gathers in float8 (`enable_fsdp_float8_all_gather`)."""
     float8 = _float8_api()
     names = [name for name, module in model.named_modules() if fp8_layer(name, module)]
     if names:
         config = float8.Float8LinearConfig.from_recipe_name(recipe)
+        if all_gather:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in names)
     return names
+
+
+def check_fp8_materialized(all_gather: bool, materialize_meta: bool) -> None:
+    """ConfigError if `fp8.all_gather` meets a meta-device model that smp.transform would
+    initialise (`materialize_meta`): that initialisation does not handle torchao's weight class."""
+    if all_gather and materialize_meta:
+        from smp.config import FP8_GATHER_ON_META
+
+        raise ConfigError(FP8_GATHER_ON_META)
 
 
 def check_fp8_tp_layers(model: nn.Module) -> None:
@@ -110,3 +136,27 @@ def check_fp8_tp_layers(model: nn.Module) -> None:
                 "projection into one Linear per part (each then 'colwise'), set tensor_parallel_degree: 1, "
                 "or remove the fp8 section"
             )
+
+
+def plain_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (a model state dict) with each weight that `fp8.all_gather` wrapped in torchao's
+    float8-castable class replaced by its plain tensor (DTensors keep their placements; the
+    storage is shared, so loading into the result loads into the model). Checkpoints then hold
+    plain tensors of the weights' dtype, readable without torchao. A state without such weights
+    comes back as it is."""
+    from torch.distributed.tensor import DTensor
+
+    from smp._compat import dtensor_local, float8_castable_weight
+
+    def plain(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        inner = float8_castable_weight(dtensor_local(value))
+        if inner is None:
+            return value
+        if isinstance(value, DTensor):
+            return DTensor.from_local(inner.detach(), value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
+        return inner.detach()
+
+    return {key: plain(value) for key, value in state.items()}

@@ -25,7 +25,7 @@ from smp.config import ConfigError, MoEConfig, SMPConfig
 from smp.context_parallel import apply_context_parallel
 from smp.context_parallel.probe import AttentionProbe, install_attention_probe
 from smp.expert_parallel import apply_expert_parallel, apply_load_balancing, resolve_ep_plan, shard_experts
-from smp.fp8 import apply_fp8, check_fp8_tp_layers
+from smp.fp8 import apply_fp8, check_fp8_materialized, check_fp8_tp_layers
 from smp.mesh import ParallelDims, expert_fsdp_mesh, fsdp_mesh
 from smp.pipeline import build_pipeline
 from smp.sharding import apply_fsdp, has_meta_tensors, materialize_meta_model
@@ -143,7 +143,7 @@ class Step:
 
 
 def _fp8(model: nn.Module, run: Run) -> None:
-    apply_fp8(model, run.cfg.fp8.recipe)  # Linear -> torchao Float8Linear (smp/fp8.py)
+    apply_fp8(model, run.cfg.fp8.recipe, run.cfg.fp8.all_gather)  # Linear -> torchao Float8Linear (smp/fp8.py)
 
 
 def _fp8_tp_layers(model: nn.Module, run: Run) -> None:
@@ -310,6 +310,7 @@ def apply_parallelism(
     if not isinstance(model, nn.Module):
         raise TypeError(f"smp.transform expects an nn.Module, got {type(model).__name__}")
     on_meta = has_meta_tensors(model)
+    check_fp8_materialized(cfg.fp8 is not None and cfg.fp8.all_gather, on_meta and materialize)
     if not on_meta:
         model.to(device)
     # The model's parts, found once: every step reads this picture (smp/anatomy.py).

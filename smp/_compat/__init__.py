@@ -68,6 +68,7 @@ from smp._compat.torch import (  # noqa: F401
     patch_optimizer_loader_group,
     TorchDispatchMode,
 )
+from smp._compat.torchao import float8_castable_weight  # noqa: F401
 from smp._compat.transformers import (  # noqa: F401
     supports_attention_interface,
     set_config_attention,

@@ -55,6 +55,7 @@ from smp.checkpointing.format import metadata, packed, rng
 from smp.checkpointing.format.pipeline import stages_view, whole_model_shapes
 from smp.checkpointing.trust import digest, inline_digest, safe_read, verify
 from smp.errors import CheckpointError
+from smp.fp8 import plain_weights
 from smp.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,10 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None, flat
     pipelined model's ranks need: each holds other parameters, and DCP keeps one rank's copy
     of a shared entry such as the nested `param_groups` list."""
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
+        return {"model": plain_weights(get_model_state_dict(model))}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
-    return {"model": model_sd, "optim": optim_sd}
+    # fp8.all_gather's weights are torchao subclasses: the checkpoint holds their plain tensors.
+    return {"model": plain_weights(model_sd), "optim": optim_sd}
 
 
 def _agree_on_tmp(path: str, kind: str = "sharded") -> str:

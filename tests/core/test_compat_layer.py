@@ -2,7 +2,7 @@
 
 The rule, checked on the source (AST) of every module of smp outside smp/_compat/. A name is
 private when it starts with "_" and is not a dunder ("__version__" is public). A foreign library
-is torch, transformers, accelerate, trl or peft. Outside the compat layer:
+is torch, transformers, accelerate, trl, peft or torchao. Outside the compat layer:
 
 1. No import of a foreign module whose dotted path has a private part
    (`torch.distributed._functional_collectives`, `torch.utils._pytree`), and no
@@ -39,7 +39,7 @@ from smp import _compat
 
 SMP_DIR = pathlib.Path(smp.__file__).parent
 COMPAT = SMP_DIR / "_compat"  # the compat layer: a package, one module per library
-FOREIGN = {"torch", "transformers", "accelerate", "trl", "peft"}
+FOREIGN = {"torch", "transformers", "accelerate", "trl", "peft", "torchao"}
 ACCESSORS = {"getattr", "hasattr", "setattr", "delattr"}
 CHECKED_OVERRIDES = _compat.TRAINER_OVERRIDES | _compat.EXTENSION_POINTS
 

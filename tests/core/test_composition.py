@@ -28,8 +28,10 @@ IMPLIED = {
     "sp": {"tp"}, "loss_parallel": {"tp"}, "split_backward": {"pp", "unproven_cp_schedule"},
     "unproven_cp_schedule": {"pp"}, "ep": {"dp"}, "hsdp": {"dp"}, "cuda_graphs": {"compile"},
 }
-# Features of how smp runs (the Trainer) or of the model (smp.transform decides) are not in a config.
-ENUMERATED = [name for name, f in composition.FEATURES.items() if f.where not in ("run", "model")]
+# Features of how smp runs (the Trainer) or of the model (smp.transform decides) are not in a config;
+# fp8_gather_unsharded is fp8_gather where no FSDP sharding is (added by `_run_of`).
+ENUMERATED = [name for name, f in composition.FEATURES.items()
+              if f.where not in ("run", "model") and name != "fp8_gather_unsharded"]
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -51,6 +53,8 @@ def _run_of(pair: tuple[str, ...]) -> tuple[dict, int, frozenset[str]]:
     if "dp" in present and data_parallel // degree["context_parallel_degree"] == 1:
         data_parallel *= 2  # one more data-parallel rank per stage
     world = degree["pipeline_parallel_degree"] * degree["tensor_parallel_degree"] * data_parallel
+    if "fp8_gather" in present and "dp" not in present:  # every rank taken by other degrees: dp_shard 1
+        present.add("fp8_gather_unsharded")
     return config, world, frozenset(present)
 
 

@@ -18,8 +18,9 @@ from torch.distributed.tensor import DTensor
 
 import smp
 from smp import runtime
+from smp.expert_parallel import is_expert_parallel
 from smp.fp8 import apply_fp8
-from smp.testing.distributed import local_rows, max_grad_diff, world_mean
+from smp.testing.distributed import full_tensor, local_rows, max_grad_diff, world_mean
 from smp.testing.models import TinyTransformer, random_batch, tiny_llama
 
 # hidden 64 / intermediate 128 / 4 heads of 16 / 2 kv heads: every Linear shard under TP 2 is
@@ -48,11 +49,30 @@ def build(kind: str) -> tuple[nn.Module, dict | None]:
         from tests.tensor_parallel.tp_cases import USER_PLAN
 
         return TinyTransformer(vocab=VOCAB, dim=64, hidden=128), USER_PLAN
+    if kind in ("mixtral", "qwen2_moe"):
+        return _moe(kind), None
     raise ValueError(kind)
 
 
+def _moe(kind: str) -> nn.Module:
+    """Tiny MoE models (4 experts, top-2) without the load-balancing loss: its router statistics
+    are summed over the data-parallel ranks, which per-rank micro-batches in one process are
+    not. Converted to float8: the attention projections (and Qwen2-MoE's shared expert); the
+    experts are [E, ...] parameters and the routers no Linear, both left as they are."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=False)
+    if kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4, **common))
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=32, num_experts=4, **common))
+
+
 def equivalence(config: dict, recipe: str, kind: str = "llama", steps: int = 2, fp32_outputs: bool = False,
-                negative: str | None = None) -> dict:
+                negative: str | None = None, all_gather: bool = False) -> dict:
     """The float8 model under `config`'s layout vs the same float8 model in one process: the
     largest loss and gradient differences over `steps` SGD steps.
 
@@ -64,7 +84,13 @@ def equivalence(config: dict, recipe: str, kind: str = "llama", steps: int = 2, 
 
     `fp32_outputs` (both sides): rowwise matmuls return float32 instead of torchao's bfloat16
     (`_fp32_rowwise_outputs`). `negative`: "no_fp8" leaves the reference in float32 (the swap
-    skipped on one side); "local_amax" scales each TP rank's float8 casts by its own shard's amax.
+    skipped on one side); "local_amax" scales each TP rank's float8 casts by its own shard's amax;
+    "shard_weight_scale" casts each FSDP shard of a weight by its own amax before the float8
+    all-gather (torchao's amax all-reduce over the FSDP mesh left out).
+
+    `all_gather`: `fp8.all_gather: true` (FSDP gathers the weights in float8). The report then
+    counts the float8 gathers (`fp8_gathers`, per step) and holds the last step's whole
+    gradients (`grads`, rank 0) for the comparison with the same run without it.
     """
     with ExitStack() as stack:
         stack.enter_context(_fp8_allowed())
@@ -72,24 +98,31 @@ def equivalence(config: dict, recipe: str, kind: str = "llama", steps: int = 2, 
             stack.enter_context(_fp32_rowwise_outputs())
         if negative == "local_amax":
             stack.enter_context(_local_amax())
-        stack.enter_context(smp.session(dict(config, fp8={"recipe": recipe})))
+        if negative == "shard_weight_scale":
+            stack.enter_context(_shard_weight_scale())
+        gathers = stack.enter_context(_count_fp8_gathers())
+        stack.enter_context(smp.session(dict(config, fp8={"recipe": recipe, "all_gather": all_gather})))
         torch.manual_seed(smp.state.config.random_seed)
         base, plan = build(kind)
         reference = copy.deepcopy(base)
         converted = apply_fp8(reference, recipe) if negative != "no_fp8" else []
         model = smp.transform(base, tp_plan=plan)
-        report = {"converted": len(converted), "loss_diff": 0.0, "grad_diff": 0.0, "losses": [],
+        report = {"converted": len(converted), "loss_diff": 0.0, "grad_diff": 0.0, "losses": [], "fp8_gathers": [],
                   "fp8_layers": sum(isinstance(m, _float8_linear()) for m in model.modules()),
                   "tp_sharded": sum(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
-                                    for p in model.parameters())}
+                                    for p in model.parameters()),
+                  "expert_parallel": sum(is_expert_parallel(m) for m in model.modules()),
+                  "dp_shard": smp.state.dims.dp_shard, "dp_replicate": smp.state.dims.dp_replicate}
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         batch = random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100)
         dp = smp.state.dp_size
         whole = copy.deepcopy(reference) if dp > 1 else None
         for _ in range(steps):
+            before = gathers[0]
             loss = _loss(model, local_rows(batch))
             loss.backward()
+            report["fp8_gathers"].append(gathers[0] - before)
             ref_loss = sum(_loss(reference, rows) / dp for rows in batch.chunk(dp))
             ref_loss.backward()
             if whole is not None:  # step 1 only
@@ -101,8 +134,11 @@ def equivalence(config: dict, recipe: str, kind: str = "llama", steps: int = 2, 
             report["losses"].append(float(ref_loss.detach()))
             report["loss_diff"] = max(report["loss_diff"], abs(world_mean(loss) - float(ref_loss.detach())))
             report["grad_diff"] = max(report["grad_diff"], max_grad_diff(model, reference))
+            grads = {n: full_tensor(p.grad).detach().clone() for n, p in model.named_parameters()}
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
+        if torch.distributed.get_rank() == 0:
+            report["grads"] = grads
         return report
 
 
@@ -159,7 +195,97 @@ def _local_amax() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _count_fp8_gathers() -> Iterator[list[int]]:
+    """How many times FSDP cast a weight shard to float8 for its all-gather (torchao's
+    `fsdp_pre_all_gather`): [count], read while the context is open."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    count = [0]
+    real = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    def counted(self, mesh):
+        count[0] += 1
+        return real(self, mesh)
+
+    with mock.patch.object(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", counted):
+        yield count
+
+
+@contextmanager
+def _shard_weight_scale() -> Iterator[None]:
+    """Mutation: each FSDP rank casts its shard of a weight to float8 with the shard's own amax
+    before the float8 all-gather (the amax all-reduce over the FSDP mesh left out)."""
+    from torchao.float8 import fsdp_utils
+
+    real = fsdp_utils.hp_tensor_to_float8_dynamic
+
+    def shard_scale(*args, **kwargs):
+        return real(*args, **dict(kwargs, reduce_amax=False))
+
+    with mock.patch.object(fsdp_utils, "hp_tensor_to_float8_dynamic", shard_scale):
+        yield
+
+
 def _float8_linear() -> type:
     from torchao.float8.float8_linear import Float8Linear
 
     return Float8Linear
+
+
+def checkpoint_round_trip(folder: str) -> dict:
+    """`fp8.all_gather` under FSDP: what smp's checkpoint writes, `full_state_dict` and `export_hf`
+    give (tensor classes and dtypes: plain float32 expected), and an exact resume: step 2 after
+    `smp.checkpointing.load` of the checkpoint saved after step 1 vs step 2 without it."""
+    from smp.checkpointing.sharded import _state_dicts
+    from smp.integrations.saving import full_state_dict
+
+    def classes(state: dict) -> set[str]:
+        out = set()
+        for value in state.values():
+            if isinstance(value, dict):
+                out |= classes(value)
+            elif isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                out.add(f"{type(local).__name__}:{str(local.dtype).removeprefix('torch.')}")
+        return out
+
+    with _fp8_allowed(), smp.session({"fp8": {"recipe": "tensorwise", "all_gather": True}}):
+        torch.manual_seed(smp.state.config.random_seed)
+        model = smp.transform(build("llama")[0])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rows = local_rows(random_batch(GLOBAL_BATCH, SEQ, VOCAB, seed=100))
+
+        def step() -> float:
+            loss = _loss(model, rows)
+            loss.backward()
+            opt.step(), opt.zero_grad()
+            return float(loss.detach())
+
+        step()
+        report = {"saved": sorted(classes(_state_dicts(model, opt))),
+                  "model_params": sorted(classes(dict(model.named_parameters()))),
+                  "full": sorted(classes(full_state_dict(model)))}
+        smp.checkpointing.save(f"{folder}/ckpt", model, opt)
+        smp.checkpointing.export_hf(f"{folder}/hf", model)
+        loss, params = step(), {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+        smp.checkpointing.load(f"{folder}/ckpt", model, opt)
+        with _count_fp8_gathers() as gathers:
+            report["resumed_loss_diff"] = abs(step() - loss)
+        report["resumed_param_diff"] = max(float((full_tensor(p.detach()) - params[n]).abs().max())
+                                           for n, p in model.named_parameters())
+        report["gathers_after_load"] = gathers[0]
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            from pathlib import Path
+
+            from safetensors.torch import load_file
+
+            files = [f for f in Path(folder).rglob("*") if f.is_file()]
+            report["files_naming_torchao"] = sorted(str(f.relative_to(folder)) for f in files
+                                                    if b"torchao" in f.read_bytes())
+            exported = {}
+            for f in Path(folder, "hf").glob("*.safetensors"):
+                exported.update(load_file(f))
+            report["exported"] = sorted(classes(exported))
+        return report

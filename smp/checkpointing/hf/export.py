@@ -33,6 +33,7 @@ from smp.checkpointing.hf import nonfloat
 from smp.checkpointing.hf.ties import one_copy_of_tied
 from smp.checkpointing.sharded import _agree_on_tmp, wait
 from smp.errors import CheckpointError
+from smp.fp8 import plain_weights
 from smp.mesh import ParallelDims
 
 # transformers' own default shard size for save_pretrained; smaller means more, smaller files.
@@ -116,7 +117,7 @@ def export_hf(
     # A pipelined model: this rank's stages under the whole model's names; the pipeline's
     # ranks write one folder together (each its stages' tensors, rank 0 consolidates).
     model, _, pp_group = stages_view(model)
-    state = one_copy_of_tied(get_model_state_dict(model), model)
+    state = plain_weights(one_copy_of_tied(get_model_state_dict(model), model))  # fp8.all_gather's: plain tensors
     shapes = whole_model_shapes(metadata.tensor_shapes(state), pp_group, f"export_hf {out_dir!r}")
     # Integer, bool and complex tensors bypass torch's consolidation: checked whole and equal
     # on every rank here (or refused by name), written by rank 0 as one more file.
