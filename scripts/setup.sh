@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-ci.txt
+# --no-compile: the first import writes the bytecode of the modules it uses; compiling every
+# installed file up front (torch, transformers) took as long as the install itself.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -r requirements-ci.txt

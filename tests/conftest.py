@@ -56,8 +56,16 @@ def _no_state_from_an_earlier_test(monkeypatch):
 def pytest_collection_modifyitems(config, items):
     """`pytest` with no `-m` and no test named by id runs the default suite: the slow cases
     (whole-script launches, installs, world 4-8 compositions) are left to `bash scripts/test.sh`
-    (the whole suite, which CI runs) or `-m "slow or not slow"`. A case named by id always runs."""
-    if config.option.markexpr or any("::" in str(arg) for arg in config.args):
+    (the whole suite, which CI runs) or `-m "slow or not slow"`. The long cases (training effect
+    over hundreds of steps, world-8 repeats of a world-4 proof, a second install path) are skipped
+    unless selected: `bash scripts/test.sh -m long`. A case named by id always runs."""
+    named = any("::" in str(arg) for arg in config.args)
+    if not named and "long" not in (config.option.markexpr or ""):
+        skip = pytest.mark.skip(reason="long: runs only when selected (bash scripts/test.sh -m long)")
+        for item in items:
+            if item.get_closest_marker("long"):
+                item.add_marker(skip)
+    if config.option.markexpr or named:
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:

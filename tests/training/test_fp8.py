@@ -218,7 +218,7 @@ HSDP2x2 = {"hybrid_shard_degree": 2}  # world 4: 2 replicas x FSDP 2
 
 @pytest.mark.usefixtures("_torchao")
 @pytest.mark.parametrize("world,config,layout", [(2, FSDP2, "fsdp2"),
-                                                 pytest.param(4, HSDP2x2, "hsdp2x2", marks=pytest.mark.slow)],
+                                                 pytest.param(4, HSDP2x2, "hsdp2x2", marks=[pytest.mark.slow, pytest.mark.long])],
                          ids=["fsdp2", "hsdp2x2"])
 def test_all_gather_matches_without_it_and_one_process(ranks, world, config, layout):
     """Each shard is cast to float8 with the whole weight's scale (its amax all-reduced over the
