@@ -33,14 +33,33 @@ def _clean(name: str) -> str:
     return name
 
 
+def _adapted_embedding_weights(model: nn.Module) -> set[int]:
+    """The frozen base parameters of a LoRA-wrapped input or output embedding (`lm_head` or
+    `embed_tokens` in target_modules): PEFT's save_pretrained writes them beside the adapters
+    (its `save_embedding_layers="auto"`), so the state handed to it must hold them."""
+    from smp.tensor_parallel.lora import is_lora_layer
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    layers = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            layers.append(getattr(base, getter)())
+        except (AttributeError, NotImplementedError):
+            continue
+    return {id(p) for layer in layers if layer is not None and is_lora_layer(layer)
+            for p in layer.base_layer.parameters()}
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full (unsharded) trainable parameters, keyed as the PeftModel's state_dict names them,
-    on rank 0 (None elsewhere). Collective: every rank gathers the same parameters in order; only
-    the adapters travel, never the frozen base model."""
+    on rank 0 (None elsewhere), and the base weights of an adapted embedding or output head
+    (which PEFT saves too). Collective: every rank gathers the same parameters in order; only
+    the adapters (and such a head) travel, never the rest of the frozen base model."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     state = {}
+    embedding_weights = _adapted_embedding_weights(model)
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad and id(p) not in embedding_weights:
             continue
         full = p.full_tensor() if isinstance(p, DTensor) else p
         if rank0:

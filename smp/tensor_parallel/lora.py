@@ -23,6 +23,13 @@ A LoRA layer computes base(x) + B(A(x)) x scaling, A: in -> r, B: r -> out, r sm
   summed: one all-gather and one all-reduce per layer for r x out parameters.) Under sequence
   parallel the row-wise partner leaves its output split by sequence: lora_B's whole output is
   sliced the same way (its gradient all-gathered back whole).
+- the output head (`colwise_gather_output` on lm_head) under sequence or loss parallel: its
+  input is split by sequence (sequence parallel) or its output stays split by vocabulary (loss
+  parallel), so the whole placement above does not fit. lora_B is split column-wise like the
+  head and gives its output the head's layout (gathered, or a vocab-sharded DTensor); its input,
+  A's r-wide output, is gathered by sequence first under sequence parallel (r values per token,
+  not the hidden width). lora_A stays whole: on the whole input it is the column-wise case; on
+  the sequence shard it runs as a sequence-parallel norm does (its gradient summed over tp).
 - packed column-wise base (`packed_qkv_colwise`: GPT-2's fused c_attn, `packed_colwise`: a fused
   gate|up): lora_B is split the same packed way (each part's rows: rank r holds
   [q_r | k_r | v_r]), lora_A stays whole; its output gradient is summed by lora_B's input as
@@ -35,8 +42,9 @@ A LoRA layer computes base(x) + B(A(x)) x scaling, A: in -> r, B: r -> out, r sm
 
 Adapters stay trainable parameters (DTensors where split), so FSDP shards them beside the base
 and `smp.integrations.save_adapter` gathers them whole. Refused (ConfigError, before any
-collective): other styles on an adapted layer (experts, embeddings, a gathered head under
-sequence or loss parallel), DoRA, LoRA on embeddings, QLoRA (bitsandbytes weights).
+collective): other styles on an adapted layer (experts, embeddings, a gathered layer whose
+input or output is split otherwise than above), DoRA, LoRA on embeddings, QLoRA (bitsandbytes
+weights).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from smp.tensor_parallel.styles import SEQ_DIM, OwnedOutput, PackedColwise, Repl
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 WHOLE, PACKED, WHOLE_LAYER = "whole", "packed", "whole layer"  # the other placements (module docstring)
+SPLIT_HEAD = "split head"  # a gathered head under sequence or loss parallel (module docstring)
 GATHERED = ("colwise_gather_output", "colwise_rep")  # input whole, output gathered whole
 SPLIT_INPUT = ("rowwise_split_input", "rowwise_rep")  # whole input split inside, output summed
 PACKED_PARTS = {"packed_colwise": 2, "packed_qkv_colwise": 3}
@@ -132,6 +141,12 @@ def _layouts(style: ParallelStyle) -> tuple[tuple, tuple, bool] | None:
 
 WHOLE_IN_OUT = ((Replicate(),), (Replicate(),), True)  # whole input, whole plain output
 WHOLE_IN_SEQ_OUT = ((Replicate(),), (Shard(SEQ_DIM),), False)  # whole input, output split by sequence
+# The output head's layouts under sequence parallel (input), loss parallel (output) or both.
+SPLIT_HEAD_LAYOUTS = (
+    ((Shard(SEQ_DIM),), (Replicate(),), True),
+    ((Replicate(),), (Shard(-1),), False),
+    ((Shard(SEQ_DIM),), (Shard(-1),), False),
+)
 
 
 def placement(name: str, style_name: object, base_style: ParallelStyle) -> tuple[str, int, bool]:
@@ -148,16 +163,30 @@ def placement(name: str, style_name: object, base_style: ParallelStyle) -> tuple
     layouts = _layouts(base_style)
     if style_name in GATHERED and layouts == WHOLE_IN_OUT:
         return WHOLE, 1, False
+    if style_name in GATHERED and layouts in SPLIT_HEAD_LAYOUTS:
+        return SPLIT_HEAD, 1, False
     if style_name in SPLIT_INPUT and layouts in (WHOLE_IN_OUT, WHOLE_IN_SEQ_OUT):
         return WHOLE, 1, layouts == WHOLE_IN_SEQ_OUT
     why = ("" if style_name not in GATHERED + SPLIT_INPUT else
-           f" (here its input or output is not whole: {layouts}, e.g. an output head under sequence or loss parallel)")
+           f" (here its input and output layouts are {layouts}: smp places adapters beside a gathered layer "
+           f"whose input is whole or split by sequence and whose output is whole or split by vocabulary)")
     raise ConfigError(
         f"tensor parallel: {name} carries LoRA adapters and its plan style is {style_name!r}{why}; smp "
         f"places adapters beside 'colwise', 'rowwise', gathered ('colwise_gather_output', "
         f"'rowwise_split_input'), packed ('packed_qkv_colwise', 'packed_colwise') and 'mla_kv_a_proj' "
         f"layers only: leave {name} out of the adapters' target_modules, or out of the tensor-parallel plan"
     )
+
+
+def head_adapter_styles(base_style: ParallelStyle) -> tuple[ParallelStyle | None, ParallelStyle]:
+    """(lora_A's style, lora_B's style) beside a SPLIT_HEAD layer styled `base_style`: lora_B
+    column-wise with the head's output layout, taking A's output split by sequence where the
+    head's input is; lora_A whole, run sequence-parallel there (module docstring)."""
+    (inputs,), (outputs,), use_local_output = _layouts(base_style)  # type: ignore[misc]
+    style_b = ColwiseParallel(input_layouts=inputs, output_layouts=outputs, use_local_output=use_local_output)
+    if inputs == Replicate():
+        return None, style_b
+    return SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=False), style_b
 
 
 def _base_style_name(style: object) -> str | None:
@@ -183,7 +212,10 @@ def parallelize_lora(name: str, module: nn.Module, style_name: object, base_styl
     # A whole layer's output hook goes on the LoRA layer: base and adapters share its gradient.
     parallelize_module(module if base == WHOLE_LAYER else module.base_layer, tp_mesh, base_style)
     for adapter in module.lora_A:
-        style_a, style_b = adapter_styles(base, seq_out if base == WHOLE else sequence_parallel, parts)
+        if base == SPLIT_HEAD:
+            style_a, style_b = head_adapter_styles(base_style)
+        else:
+            style_a, style_b = adapter_styles(base, seq_out if base == WHOLE else sequence_parallel, parts)
         if style_a is not None:
             parallelize_module(module.lora_A[adapter], tp_mesh, style_a)
         else:  # whole on every rank: takes the layer's input as a plain tensor (it may come as a DTensor)

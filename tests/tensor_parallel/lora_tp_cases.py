@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 import smp
 from smp.integrations.peft import merged_state_dict, save_adapter
@@ -29,14 +29,15 @@ tp_apply = importlib.import_module("smp.tensor_parallel.apply")  # the module (t
 
 VOCAB, BATCH, SEQ = 128, 4, 16
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+HEAD_TARGETS = [*TARGETS, "lm_head"]  # and the output head (one layer, untied from the embedding)
 
 
-def build_peft(seed: int = 0) -> torch.nn.Module:
+def build_peft(seed: int = 0, targets: list[str] = TARGETS) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     base = tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
     return get_peft_model(base, config)
 
 
@@ -54,15 +55,37 @@ class _LocalGrad(torch.autograd.Function):
 
 
 class _GatheredUnreduced(ColwiseParallel):
-    """lora_B beside a gathered layer split column-wise with its output gathered, and lora_A's
-    output gradient left as this rank's share."""
+    """lora_B beside a gathered layer split column-wise with its output gathered (or left split
+    by `output`), and lora_A's output gradient left as this rank's share."""
 
-    def __init__(self):
-        super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
+    def __init__(self, output=Replicate(), use_local_output: bool = True):
+        super().__init__(input_layouts=Replicate(), output_layouts=output, use_local_output=use_local_output)
 
     def _apply(self, module, device_mesh):
         module.register_forward_pre_hook(lambda _m, args: (_LocalGrad.apply(args[0], device_mesh),))
         return super()._apply(module, device_mesh)
+
+
+class _SequenceLocal(ParallelStyle):
+    """lora_A beside a head under sequence parallel run as a plain module on this rank's
+    sequence shard: its gradient left as this rank's share, not summed over the tp ranks."""
+
+    def _apply(self, module, device_mesh):
+        module.register_forward_pre_hook(lambda _m, args: (args[0].to_local(),))
+        module.register_forward_hook(
+            lambda _m, _args, out: DTensor.from_local(out, device_mesh, [Shard(1)], run_check=False))
+        return module
+
+
+def _head_unsummed(styles):
+    """head_adapter_styles, with lora_A's gradient left as this rank's share: under sequence
+    parallel not summed over the sequence shards, else not summed by lora_B's input."""
+    def wrapped(base_style):
+        style_a, style_b = styles(base_style)
+        if style_a is not None:
+            return _SequenceLocal(), style_b
+        return None, _GatheredUnreduced(style_b.output_layouts[0], style_b.use_local_output)
+    return wrapped
 
 
 def _q_a_summed(expand):
@@ -88,9 +111,10 @@ def _corrupted(kind: str | None) -> Iterator[None]:
     lora_B split in contiguous rows, not each packed part's; `mla_q_a_summed`: MLA's q_a_proj
     adapters' whole gradient summed over the ranks as if partial; `mla_rope_on_base`: MLA's
     kv_a_proj_with_mqa rotary-gradient sum hooked on its base layer, the adapters beside it
-    getting each rank's partial gradient."""
+    getting each rank's partial gradient; `head_unsummed`: beside an output head under sequence
+    or loss parallel, lora_A's gradient left as this rank's share."""
     saved, keep_frozen, expand = lora.adapter_styles, tp_apply._keep_frozen, tp_apply.expand_plan
-    placement = lora.placement
+    placement, head_styles = lora.placement, lora.head_adapter_styles
     if kind in ("unreduced", "gathered_unreduced", "packed_contiguous"):
         def styles(base, sequence_parallel=False, parts=1):
             if kind == "unreduced" and base == lora.ROWWISE:
@@ -108,24 +132,28 @@ def _corrupted(kind: str | None) -> Iterator[None]:
     elif kind == "mla_rope_on_base":
         lora.placement = lambda name, style, base_style: (
             (lora.WHOLE, 1, False) if style in lora.OWN_OUTPUT_HOOK else placement(name, style, base_style))
+    elif kind == "head_unsummed":
+        lora.head_adapter_styles = _head_unsummed(head_styles)
     elif kind is not None:
         raise ValueError(kind)
     try:
         yield
     finally:
         lora.adapter_styles, tp_apply._keep_frozen, tp_apply.expand_plan = saved, keep_frozen, expand
-        lora.placement = placement
+        lora.placement, lora.head_adapter_styles = placement, head_styles
 
 
 def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def equivalence(config: dict, out_dir: str, steps: int = 2, corrupt: str | None = None) -> dict:
+def equivalence(config: dict, out_dir: str, steps: int = 2, corrupt: str | None = None,
+                targets: list[str] = TARGETS) -> dict:
     """Loss and every adapter gradient over `steps` SGD steps vs one process; then the saved
-    adapter folder and the merged weights vs PEFT's own in one process (rank 0)."""
+    adapter folder and the merged weights vs PEFT's own in one process (rank 0). `targets`:
+    the adapted modules (PEFT's target_modules)."""
     with smp.session(config):
-        reference = build_peft()
+        reference = build_peft(targets=targets)
         model = copy.deepcopy(reference)
         ids = random_batch(BATCH, SEQ, VOCAB, seed=5)
         ref_opt = torch.optim.SGD(_trainable(reference).values(), lr=0.5)
@@ -160,21 +188,21 @@ def equivalence(config: dict, out_dir: str, steps: int = 2, corrupt: str | None 
         merged = merged_state_dict(model)
         if smp.state.rank == 0:
             reference.save_pretrained(theirs)
-            report.update(_compare_folders(ours, theirs))
+            report.update(_compare_folders(ours, theirs, targets))
             expected = reference.merge_and_unload().state_dict()
             report["merged_keys_equal"] = sorted(merged) == sorted(expected)
             report["merged_diff"] = max(float((merged[k] - expected[k]).abs().max()) for k in expected)
         return report
 
 
-def _compare_folders(ours: str, theirs: str) -> dict:
+def _compare_folders(ours: str, theirs: str, targets: list[str]) -> dict:
     """The adapter files (tensors by name) and what PeftModel.from_pretrained loads from ours."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
     a = load_file(os.path.join(ours, "adapter_model.safetensors"))
     b = load_file(os.path.join(theirs, "adapter_model.safetensors"))
-    loaded = PeftModel.from_pretrained(build_peft(seed=1).get_base_model(), ours)
+    loaded = PeftModel.from_pretrained(build_peft(seed=1, targets=targets).get_base_model(), ours)
     reloaded = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
     return {
         "adapter_keys_equal": sorted(a) == sorted(b),

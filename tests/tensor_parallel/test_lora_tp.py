@@ -15,6 +15,11 @@ partners (OLMo2), GPT-2's packed q|k|v, MLA's whole q_a_proj and kv_a_proj_with_
 (DeepSeek-V2), each with its negative control: lora_B split with its output gathered and lora_A's
 gradient left unreduced; lora_B split in contiguous rows, not by packed part; q_a_proj's whole
 adapter gradient summed as if partial; the rotary-gradient sum hooked on the base layer only.
+
+Beside the output head (`lm_head` in target_modules): gathered with its input whole (adapters
+whole), under sequence parallel, loss parallel and both (lora_B split like the head, lora_A
+sequence-parallel where the input is split by sequence); the saved folder holds the head's base
+weight as PEFT's does. Negative control: lora_A's gradient left as each rank's share.
 """
 
 from __future__ import annotations
@@ -82,9 +87,35 @@ def test_misplaced_adapter_beside_those_layers_is_caught(ranks, family, corrupt)
         assert max(r["detail"]["loss_diff"], r["detail"]["grad_diff"]) > 1e-3, r
 
 
-def test_gathered_layer_whose_input_is_not_whole_is_refused():
-    """An output head styled 'colwise_gather_output' under sequence parallel takes the sequence
-    shards: its adapters would need the whole input, so smp refuses, naming the layouts."""
-    style = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-    with pytest.raises(smp.ConfigError, match="carries LoRA adapters.*not whole"):
+TP2_LP = {**TP2, "tensor_parallel": {"loss_parallel": True}}
+TP2_SP_LP = {**TP2, "tensor_parallel": {"sequence_parallel": True, "loss_parallel": True}}
+HEAD_ADAPTERS = 2 * 2 * len(lora_tp_cases.TARGETS) + 2  # and lm_head's lora_A, lora_B
+
+
+@pytest.mark.parametrize("world,config", [(2, TP2), (4, TP2), (2, TP2_SP), (2, TP2_LP), (2, TP2_SP_LP)],
+                         ids=["tp2", "tp2xfsdp2", "tp2-sp", "tp2-loss-parallel", "tp2-sp-loss-parallel"])
+def test_lora_on_the_output_head_matches_single_process(ranks, tmp_path, world, config):
+    reports = ranks(world).run(lora_tp_cases.equivalence, config=config, out_dir=str(tmp_path),
+                               targets=lora_tp_cases.HEAD_TARGETS, timeout=300)
+    for r in reports:
+        assert r["loss_diff"] < TOL and r["grad_diff"] < TOL, r
+        assert r["frozen_grads"] == 0 and r["adapters"] == HEAD_ADAPTERS, r
+    first = reports[0]  # the folder holds lm_head's base weight too, as PEFT's save_pretrained writes it
+    assert first["adapter_keys_equal"] and first["adapter_diff"] < TOL, first
+    assert first["reloaded_adapters"] == first["adapters"], first
+    assert first["merged_keys_equal"] and first["merged_diff"] < TOL, first
+
+
+@pytest.mark.parametrize("config", [TP2_SP, TP2_LP], ids=["tp2-sp", "tp2-loss-parallel"])
+def test_unsummed_head_adapter_gradient_is_caught(ranks, tmp_path, config):
+    reports = ranks(2).run(lora_tp_cases.equivalence, config=config, out_dir=str(tmp_path),
+                           targets=lora_tp_cases.HEAD_TARGETS, corrupt="head_unsummed")
+    assert max(max(r["loss_diff"], r["grad_diff"]) for r in reports) > 1e-3
+
+
+def test_gathered_layer_with_other_layouts_is_refused():
+    """A gathered layer whose output is split by sequence (no style smp builds): smp places no
+    adapters there and says so, naming the layouts and the fix."""
+    style = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    with pytest.raises(smp.ConfigError, match="lm_head carries LoRA adapters.*layouts are.*target_modules"):
         lora.placement("lm_head", "colwise_gather_output", style)
