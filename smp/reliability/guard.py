@@ -98,6 +98,10 @@ class _Watch:
         self.store_host_pid: int | None = None
         self._stop_line = threading.Lock()  # the "stopping" line: printed once per rank
         self.stop_line_printed = False
+        # The failure record the watchdog read: once this rank has acknowledged it, the store's
+        # host may exit (it waits for every acknowledgement only), and a collective failing here
+        # afterwards must still name the failing rank, not the store's host.
+        self.record: str | None = None
 
     def claim_stop_line(self) -> bool:
         """True the first time only: the main thread and the watchdog may both reach the stop."""
@@ -256,6 +260,8 @@ def _handle_failure(watch: _Watch, exc: BaseException, step: int | None, where: 
         if record is None:
             record = store.compare_set(FAILURE_KEY, "", own).decode()  # first writer wins
     except Exception as store_exc:  # noqa: BLE001 - the store host (rank 0 / launcher) is gone
+        if watch.record is not None:  # the watchdog already read who failed (see _Watch.record)
+            _stop_process(_stopping_message(rank, step, watch.record), watch)
         why = ("its process has exited" if isinstance(store_exc, _StoreHostDied)
                else f"the rendezvous store no longer answers: {type(store_exc).__name__}")
         if _is_collective_error(exc):
@@ -415,7 +421,7 @@ def _watch(watch: _Watch, store: dist.Store, rank: int, stop: threading.Event) -
                 return  # the collectives now fail fast too; the main thread reports it
             answered_census = answered_census or answer_census(store, rank, watch.step)
             if not watch.handling and store.check([FAILURE_KEY]):
-                record = store.get(FAILURE_KEY).decode()
+                record = watch.record = store.get(FAILURE_KEY).decode()
                 _acknowledge(store, rank)
                 _wait_for_failing_rank_to_exit(store)
                 _stop_process(_stopping_message(rank, watch.step, record), watch)

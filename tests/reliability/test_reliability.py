@@ -242,6 +242,42 @@ def test_step_guard_single_process_notes_the_step():
     assert smp.reliability.current_step() == 5
 
 
+@pytest.mark.parametrize("watchdog_read_the_record", [True, False], ids=["record-read", "negative-control"])
+def test_collective_failing_after_the_store_host_left_still_names_the_failing_rank(monkeypatch, watchdog_read_the_record):
+    """The race a loaded CI machine hit at world 4: rank 3's watchdog read rank 1's failure record
+    and acknowledged it; rank 0 (the store's host), every acknowledgement in, exited; then rank
+    3's own collective failed, and its main thread, finding the store's host gone, blamed rank 0.
+    The record the watchdog read is kept on the watch and named instead (negative control: with
+    no record read, the store's host is what the line names, as it must be then)."""
+    from smp.reliability import guard
+
+    record = "rank 1 failed before its first step_guard: ValueError: injected setup failure on rank 1"
+    watch = guard._Watch()
+    watch.store = object()  # never reached: the store's host is known dead
+    if watchdog_read_the_record:
+        watch.record = record
+    lines = []
+
+    def stop(message, watch=None):
+        lines.append(message)
+        raise SystemExit(PEER_FAILURE_EXIT_CODE)
+
+    monkeypatch.setattr(guard.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(guard.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(guard.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(guard, "_ensure_watchdog", lambda watch: None)
+    monkeypatch.setattr(guard, "_store_host_died", lambda watch: True)
+    monkeypatch.setattr(guard, "_stop_process", stop)
+    gloo_error = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+    assert guard._is_collective_error(gloo_error)
+    with pytest.raises(SystemExit):
+        guard._handle_failure(watch, gloo_error, step=0)
+    if watchdog_read_the_record:
+        assert lines == [f"rank 3 stopping at step 0: {record}"]
+    else:
+        assert len(lines) == 1 and "rendezvous store's host" in lines[0] and "rank 1" not in lines[0]
+
+
 # ----------------------------------------------------------------------------------------------
 # Non-finite gradients
 
