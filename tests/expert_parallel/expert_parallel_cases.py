@@ -140,11 +140,12 @@ def expert_load_metrics(config: dict, micro_batches: int = 2) -> dict:
                 "after": meter.record(smp.state.dp_mesh.get_group())}
 
 
-def build(kind: str) -> nn.Module:
-    """Tiny MoE models: hidden 64, 2 layers, 4 experts, top-2, vocab 256, router logits on."""
+def build(kind: str, **overrides) -> nn.Module:
+    """Tiny MoE models: hidden 64, 2 layers, 4 experts, top-2, vocab 256, router logits on
+    (`overrides`: other values of the transformers families' config)."""
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=TOP_K,
-                  output_router_logits=True, router_aux_loss_coef=AUX_COEF)
+                  output_router_logits=True, router_aux_loss_coef=AUX_COEF) | overrides
     if kind in ("mixtral", "mixtral3"):  # mixtral3: 3 experts, which EP=2 cannot split
         from transformers import MixtralConfig, MixtralForCausalLM
 

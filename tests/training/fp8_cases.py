@@ -55,20 +55,13 @@ def build(kind: str) -> tuple[nn.Module, dict | None]:
 
 
 def _moe(kind: str) -> nn.Module:
-    """Tiny MoE models (4 experts, top-2) without the load-balancing loss: its router statistics
-    are summed over the data-parallel ranks, which per-rank micro-batches in one process are
-    not. Converted to float8: the attention projections (and Qwen2-MoE's shared expert); the
-    experts are [E, ...] parameters and the routers no Linear, both left as they are."""
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, num_experts_per_tok=2, output_router_logits=False)
-    if kind == "mixtral":
-        from transformers import MixtralConfig, MixtralForCausalLM
+    """The expert-parallel tests' tiny MoE models without the load-balancing loss: its router
+    statistics are summed over the data-parallel ranks, which per-rank micro-batches in one
+    process are not. Converted to float8: the attention projections (and Qwen2-MoE's shared
+    expert); the experts are [E, ...] parameters and the routers no Linear, both left as they are."""
+    from tests.expert_parallel.expert_parallel_cases import build as build_moe
 
-        return MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=4, **common))
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32,
-                                              shared_expert_intermediate_size=32, num_experts=4, **common))
+    return build_moe(kind, vocab_size=VOCAB, output_router_logits=False)
 
 
 def equivalence(config: dict, recipe: str, kind: str = "llama", steps: int = 2, fp32_outputs: bool = False,
